@@ -1,0 +1,93 @@
+"""Typed contracts between the stages of one DAPO step: data -> rollout -> reward -> algo -> actor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One problem from a dataset, before tokenisation."""
+
+    uid: str
+    """Stable id: `<data_source>/<row index>`; identical across resumes."""
+    messages: tuple[dict[str, str], ...]
+    """Chat messages ({"role", "content"}), rendered by the tokenizer's chat template (or plain join)."""
+    ground_truth: str
+    """The reference answer (an integer string for DAPO-Math-17K and GSM8K)."""
+    data_source: str = "unknown"
+
+
+@dataclass
+class Sample:
+    """One generated response o_i to a prompt q."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    """log pi_rollout(o_t | q, o_<t) as reported by the rollout engine, one per response token."""
+    finish_reason: FinishReason
+    """"length" means the response hit max_response_len: it is truncated."""
+    response_text: str = ""
+    reward: float = 0.0
+    """Final scalar reward R_i (rule reward + soft overlong term)."""
+    acc: bool = False
+    pred: str | None = None
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+    @property
+    def response_len(self) -> int:
+        return len(self.response_ids)
+
+
+@dataclass
+class Group:
+    """The G responses sampled for one prompt; the unit of dynamic sampling and of advantages."""
+
+    prompt: Prompt
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+    @property
+    def num_correct(self) -> int:
+        return sum(s.acc for s in self.samples)
+
+
+@dataclass
+class TrainBatch:
+    """Right-padded token tensors the actor trains on; row i is one sample.
+
+    All tensors are [B, S] except `advantages` which is [B] (broadcast to every token of o_i).
+    Position t of `loss_mask`/`old_logprobs` refers to predicting token t of `input_ids` (t >= 1).
+    """
+
+    input_ids: torch.Tensor
+    """[B, S] int64: prompt + response tokens, padded on the right."""
+    loss_mask: torch.Tensor
+    """[B, S] float: 1 on response tokens that enter the loss (0 on prompt, padding, filtered)."""
+    advantages: torch.Tensor
+    """[B] float: group-normalised advantage of each sample."""
+    old_logprobs: torch.Tensor | None = None
+    """[B, S] float: log pi_old of each token (filled by the actor before the updates)."""
+    rollout_logprobs: torch.Tensor | None = None
+    """[B, S] float: log pi_rollout reported by the engine (for the train/rollout mismatch metric)."""
+    prompt_index: torch.Tensor | None = None
+    """[B] int64: which group (prompt) each row came from."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -1,0 +1,196 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_dapo.config import (
+    Config,
+    ConfigError,
+    apply_delta,
+    load_config,
+    parse_override,
+    to_yaml,
+    validate,
+)
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "examples" / "configs").glob("*.yaml"))
+
+
+def test_defaults_are_valid_and_dapo():
+    cfg = Config()
+    validate(cfg, world_size=1)
+    assert (cfg.algo.eps_low, cfg.algo.eps_high) == (0.2, 0.28)
+    assert cfg.algo.loss_agg_mode == "token-mean"
+    assert cfg.algo.kl_coef == 0.0
+    assert cfg.algo.dynamic_sampling
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_example_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+
+
+def test_example_configs_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"dapo_qwen2.5_32b.yaml", "tiny_cpu.yaml"} <= names
+
+
+def test_32b_config_holds_the_papers_hyperparameters():
+    cfg = load_config(Path(__file__).resolve().parents[1] / "examples/configs/dapo_qwen2.5_32b.yaml")
+    assert cfg.algo.group_size == 16
+    assert cfg.train.prompt_batch_size == 512 and cfg.train.mini_batch_size == 512
+    assert cfg.actor.optimizer.lr == 1e-6 and cfg.actor.optimizer.warmup_steps == 20
+    assert (cfg.algo.eps_low, cfg.algo.eps_high) == (0.2, 0.28)
+    assert cfg.rollout.max_response_len == 20480 and cfg.reward.overlong_cache_len == 4096
+    assert cfg.eval.top_p == 0.7 and cfg.eval.n_samples == 32 and cfg.eval.temperature == 1.0
+    # 512 prompts x 16 responses per step, mini-batches of 512 prompts: updates per step
+    updates = cfg.train.prompt_batch_size // cfg.train.mini_batch_size * cfg.algo.epochs_per_rollout
+    assert updates == 1 and cfg.train.prompt_batch_size * cfg.algo.group_size == 8192
+    validate(cfg, world_size=128)
+
+
+def test_dotted_overrides_are_typed():
+    cfg = load_config(None, ["algo.eps_high=0.3", "actor.optimizer.lr=1e-5", "logging.run_name=123",
+                             "data.val_path=null", "algo.dynamic_sampling=false", "train.steps=7"])
+    assert cfg.algo.eps_high == 0.3
+    assert cfg.actor.optimizer.lr == 1e-5 and isinstance(cfg.actor.optimizer.lr, float)
+    assert cfg.logging.run_name == "123"
+    assert cfg.data.val_path is None
+    assert cfg.algo.dynamic_sampling is False
+    assert cfg.train.steps == 7
+
+
+def test_int_widens_to_float_but_not_reverse():
+    cfg = Config()
+    apply_delta(cfg, {"algo": {"eps_high": 1}})
+    assert cfg.algo.eps_high == 1.0 and isinstance(cfg.algo.eps_high, float)
+    with pytest.raises(ConfigError, match="train.steps"):
+        apply_delta(cfg, {"train": {"steps": 1.5}})
+    with pytest.raises(ConfigError, match="train.steps"):
+        apply_delta(cfg, {"train": {"steps": True}})
+
+
+@pytest.mark.parametrize("override, key", [
+    ("algo.eps_hgh=0.3", "algo.eps_hgh"),
+    ("actor.optimiser.lr=1", "actor.optimiser"),
+    ("nope.x=1", "nope"),
+])
+def test_unknown_key_is_named(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_unknown_key_suggests_the_near_one():
+    with pytest.raises(ConfigError, match="did you mean 'eps_high'"):
+        load_config(None, ["algo.eps_hgh=0.3"])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.steps=abc", "train.steps"),
+    ("algo.loss_agg_mode=token-sum", "algo.loss_agg_mode"),
+    ("algo.dynamic_sampling=maybe", "algo.dynamic_sampling"),
+    ("algo=3", "algo"),
+])
+def test_wrong_type_is_named(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_yaml_wrong_type_and_unknown_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algo:\n  group_size: sixteen\n")
+    with pytest.raises(ConfigError, match="algo.group_size"):
+        load_config(bad)
+    bad.write_text("rollout:\n  sglang:\n    prot: 1\n")
+    with pytest.raises(ConfigError, match="rollout.sglang.prot"):
+        load_config(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_yaml_scientific_notation_is_a_float(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("actor:\n  optimizer:\n    lr: 1e-6\n")  # YAML 1.1 reads this as a string
+    assert load_config(f).actor.optimizer.lr == 1e-6
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["train.prompt_batch_size=10", "train.mini_batch_size=4"], "must divide"),
+    (["reward.overlong_cache_len=20480"], "overlong_cache_len"),
+    (["algo.group_size=1"], "group_size"),
+    (["algo.eps_low=1.0"], "eps_low"),
+    (["algo.kl_coef=0.01"], "kl_coef"),
+    (["eval.top_p=0"], "eval.top_p"),
+    (["parallel.sequence_parallel=true"], "sequence_parallel"),
+    (["actor.optimizer.lr=0"], "optimizer.lr"),
+])
+def test_cross_field_validation(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(None, overrides)
+
+
+def test_every_problem_is_listed_at_once():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["algo.group_size=1", "algo.eps_low=2.0"])
+    assert "group_size" in str(e.value) and "eps_low" in str(e.value)
+
+
+def test_parallel_layout_against_world_size():
+    cfg = load_config(None, ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2",
+                             "train.prompt_batch_size=6", "train.mini_batch_size=3"])
+    validate(cfg, world_size=4)  # DP = 1
+    with pytest.raises(ConfigError, match="does not divide world size 6"):
+        validate(cfg, world_size=6)
+    with pytest.raises(ConfigError, match="DP=2"):
+        validate(cfg, world_size=8)
+
+
+def test_soft_punishment_off_skips_its_check():
+    cfg = load_config(None, ["reward.soft_overlong_punishment=false", "reward.overlong_cache_len=99999"])
+    assert cfg.reward.overlong_cache_len == 99999
+
+
+def test_printed_yaml_round_trips():
+    cfg = load_config(None, ["algo.eps_high=0.31", "data.val_path=/x.parquet"])
+    again = Config()
+    apply_delta(again, yaml.safe_load(to_yaml(cfg)))
+    assert again == cfg
+
+
+def test_parse_override_nests():
+    assert parse_override("a.b.c=1") == {"a": {"b": {"c": "1"}}}
+    with pytest.raises(ConfigError):
+        parse_override("novalue")
+
+
+def _cli(*args, env):
+    return subprocess.run([sys.executable, "-m", "megatron_dapo.config", *args],
+                          capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_cli_print(python_env, repo_root):
+    r = _cli("--config", str(repo_root / "examples/configs/tiny_cpu.yaml"), "algo.eps_high=0.3",
+             "--print", env=python_env)
+    assert r.returncode == 0, r.stderr
+    tree = yaml.safe_load(r.stdout)
+    assert tree["algo"]["eps_high"] == 0.3 and tree["algo"]["group_size"] == 8
+
+
+def test_cli_error_exit_code(python_env):
+    r = _cli("algo.eps_hgh=0.3", env=python_env)
+    assert r.returncode == 2 and "algo.eps_hgh" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_validation_needs_no_heavy_import(python_env, repo_root):
+    code = ("import sys; from megatron_dapo.config import load_config;"
+            f"load_config({str(repo_root / 'examples/configs/dapo_qwen2.5_32b.yaml')!r});"
+            "heavy = [m for m in ('torch', 'megatron', 'transformers', 'sglang') if m in sys.modules];"
+            "assert not heavy, heavy")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_env, timeout=60)
+    assert r.returncode == 0, r.stderr
