@@ -1,0 +1,178 @@
+"""Dynamic sampling (DAPO §3.2): keep only groups whose rewards differ; generate until N are kept.
+
+A group whose G rewards are all equal has zero advantage everywhere, so it contributes no gradient
+but still dilutes the token-mean. With per-response accuracy p the expected kept fraction is
+eff(p) = 1 - p^G - (1-p)^G, which collapses as the policy improves (G=16: p=0.95 -> 0.56,
+p=0.99 -> 0.15); the sampler therefore sizes each new round from the fraction it has observed.
+
+Typical use, one sampler per training step::
+
+    sampler = DynamicSampler(target_groups=512, max_rounds=8)
+    while not sampler.done:
+        sampler.add_round(generate(sampler.next_round_size(default=512)))
+    groups, stats = sampler.finish()
+    if not groups:
+        ...  # skip the step (train_partial with no informative group at all)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_dapo.types import Group
+
+logger = logging.getLogger(__name__)
+
+OnExhausted = Literal["error", "train_partial"]
+_ON_EXHAUSTED = ("error", "train_partial")
+
+
+def is_informative(group: Group) -> bool:
+    """True when the group's rewards have non-zero std, i.e. are not all equal.
+
+    For +-1 rewards this is 0 < #correct < G; with soft overlong shaping two wrong answers of
+    different lengths also differ, and such a group is kept.
+    """
+    rewards = group.rewards
+    return len(rewards) >= 2 and max(rewards) != min(rewards)
+
+
+def expected_informative_fraction(p: float, G: int) -> float:
+    """eff(p) = 1 - p^G - (1-p)^G: the chance that G Bernoulli(p) answers are neither all right nor all wrong."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"p must be in [0, 1], got {p}")
+    if G < 1:
+        raise ValueError(f"G must be >= 1, got {G}")
+    return 1.0 - p**G - (1.0 - p) ** G
+
+
+@dataclass
+class DynamicSamplingStats:
+    """What one step's sampling did (for the generation-rounds and kept-fraction monitors)."""
+
+    rounds: int
+    """Generation rounds run."""
+    groups_seen: int
+    """Groups generated over all rounds."""
+    groups_kept: int
+    """Groups kept before trimming to the target (all groups when sampling is disabled)."""
+    kept_frac: float
+    """Fraction of seen groups that were informative: the observed eff(p). Reported even when
+    disabled, where it is not groups_kept / groups_seen."""
+    exhausted: bool
+    """Filtering was on and fewer than target_groups informative groups were found."""
+
+
+class DynamicSampler:
+    """Accumulates generation rounds until `target_groups` informative groups are held.
+
+    Args:
+        target_groups: N, the number of groups a training step wants.
+        max_rounds: cap on generation rounds; `done` turns true when it is reached.
+        on_exhausted: what `finish()` does when short: "error" raises RuntimeError,
+            "train_partial" logs a warning and returns the groups it has (possibly none).
+        enabled: when False (the Table 1 ablation) one round is taken, nothing is filtered,
+            and the round is trimmed to `target_groups`.
+        kept_frac_floor: lower bound on the kept fraction used to size the next round, so an
+            unlucky round with nothing kept does not ask for an unbounded batch.
+        max_growth: the next round never exceeds `max_growth * default` groups.
+    """
+
+    def __init__(
+        self,
+        target_groups: int,
+        max_rounds: int,
+        on_exhausted: OnExhausted = "train_partial",
+        enabled: bool = True,
+        *,
+        kept_frac_floor: float = 0.1,
+        max_growth: float = 4.0,
+    ) -> None:
+        if target_groups < 1:
+            raise ValueError(f"target_groups must be >= 1, got {target_groups}")
+        if max_rounds < 1:
+            raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
+        if on_exhausted not in _ON_EXHAUSTED:
+            raise ValueError(f"on_exhausted must be one of {_ON_EXHAUSTED}, got {on_exhausted!r}")
+        if not 0.0 < kept_frac_floor <= 1.0:
+            raise ValueError(f"kept_frac_floor must be in (0, 1], got {kept_frac_floor}")
+        if max_growth < 1.0:
+            raise ValueError(f"max_growth must be >= 1, got {max_growth}")
+        self.target_groups = target_groups
+        self.max_rounds = max_rounds
+        self.on_exhausted = on_exhausted
+        self.enabled = enabled
+        self.kept_frac_floor = kept_frac_floor
+        self.max_growth = max_growth
+        self._kept: list[Group] = []
+        self._rounds = 0
+        self._seen = 0
+        self._informative = 0
+
+    @property
+    def done(self) -> bool:
+        """Enough groups are kept, the round cap is hit, or (disabled) one round has been taken."""
+        if not self.enabled:
+            return self._rounds >= 1
+        return len(self._kept) >= self.target_groups or self._rounds >= self.max_rounds
+
+    @property
+    def kept_frac(self) -> float:
+        """Observed informative fraction so far (0.0 before any group is seen)."""
+        return self._informative / self._seen if self._seen else 0.0
+
+    def add_round(self, groups: list[Group]) -> None:
+        """Take one generation round; keeps the informative groups (all groups when disabled)."""
+        if self.done:
+            raise RuntimeError("add_round() called on a DynamicSampler that is already done")
+        self._rounds += 1
+        self._seen += len(groups)
+        for group in groups:
+            informative = is_informative(group)
+            self._informative += informative
+            if informative or not self.enabled:
+                self._kept.append(group)
+
+    def next_round_size(self, default: int) -> int:
+        """Number of groups to generate next: `default` first, then the expected count to fill the gap.
+
+        After a round, asks for ceil(missing / max(kept_frac, floor)) groups, at most
+        `max_growth * default` and at least 1. There is no head-room: a short round is simply
+        followed by another, and overshoot is trimmed by `finish()`.
+        """
+        if default < 1:
+            raise ValueError(f"default round size must be >= 1, got {default}")
+        if self._rounds == 0 or not self.enabled:
+            return default
+        missing = max(self.target_groups - len(self._kept), 1)
+        wanted = math.ceil(missing / max(self.kept_frac, self.kept_frac_floor))
+        return max(1, min(wanted, math.floor(self.max_growth * default)))
+
+    def finish(self) -> tuple[list[Group], DynamicSamplingStats]:
+        """Return the first `target_groups` kept groups (arrival order) and the step's stats.
+
+        When filtering is on and fewer than `target_groups` were kept: "error" raises RuntimeError;
+        "train_partial" warns and returns what there is, which may be an empty list, in which case
+        the caller skips the optimizer step.
+        """
+        exhausted = self.enabled and len(self._kept) < self.target_groups
+        stats = DynamicSamplingStats(
+            rounds=self._rounds,
+            groups_seen=self._seen,
+            groups_kept=len(self._kept),
+            kept_frac=self.kept_frac,
+            exhausted=exhausted,
+        )
+        if exhausted:
+            msg = (
+                f"dynamic sampling kept {stats.groups_kept}/{self.target_groups} informative groups "
+                f"after {stats.rounds}/{self.max_rounds} rounds ({stats.groups_seen} groups seen, "
+                f"kept fraction {stats.kept_frac:.3f})"
+            )
+            if self.on_exhausted == "error":
+                raise RuntimeError(msg)
+            logger.warning("%s; training on the partial batch", msg)
+        return self._kept[: self.target_groups], stats
