@@ -78,6 +78,8 @@ class TrainBatch:
     """[B, S] float: 1 on response tokens that enter the loss (0 on prompt, padding, filtered)."""
     advantages: torch.Tensor
     """[B] float: group-normalised advantage of each sample."""
+    lengths: torch.Tensor
+    """[B] int64: prompt + response tokens of each row (the rest is padding)."""
     old_logprobs: torch.Tensor | None = None
     """[B, S] float: log pi_old of each token (filled by the actor before the updates)."""
     rollout_logprobs: torch.Tensor | None = None

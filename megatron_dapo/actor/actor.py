@@ -1,0 +1,208 @@
+"""The DAPO policy on Megatron-core: per-token logprobs/entropy and the token-level clipped update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo import megatron_cpu, parallel
+from megatron_dapo.actor.batching import MicroBatch, micro_batches, split_rows
+from megatron_dapo.actor.model import ModelSpec, build_model, param_dtype
+from megatron_dapo.actor.optimizer import build_optimizer, build_scheduler, current_lr, wrap_ddp
+from megatron_dapo.algo.loss import policy_loss
+from megatron_dapo.config import ActorConfig, AlgoConfig, ModelConfig, ParallelConfig
+from megatron_dapo.kernels import token_logprobs_and_entropy
+from megatron_dapo.types import TrainBatch
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    agg_mode: str = "token-mean"
+    entropy_coef: float = 0.0
+
+    @classmethod
+    def from_algo(cls, algo: AlgoConfig) -> LossSettings:
+        return cls(algo.eps_low, algo.eps_high, algo.loss_agg_mode, algo.entropy_coef)
+
+
+def _finalize_grads_unscaled(model, num_tokens=None, *args, **kwargs):
+    """Megatron's grad finalisation (DP all-reduce, tied embeddings) without dividing by tokens."""
+    from megatron.core.distributed import finalize_model_grads
+
+    return finalize_model_grads(model, None, *args, **kwargs)
+
+
+class Actor:
+    """One rank's shard of the policy; every rank of a TP/PP/DP layout builds one."""
+
+    def __init__(self, spec: ModelSpec, model_cfg: ModelConfig, par_cfg: ParallelConfig,
+                 actor_cfg: ActorConfig, loss: LossSettings):
+        self.spec, self.cfg, self.loss = spec, actor_cfg, loss
+        model = build_model(spec, model_cfg, par_cfg)
+        model.config.finalize_model_grads_func = _finalize_grads_unscaled
+        self.ddp = wrap_ddp(model, distributed_optimizer=actor_cfg.optimizer.distributed_optimizer)
+        self.bf16 = param_dtype(model_cfg) == torch.bfloat16
+        self.optimizer = build_optimizer(self.ddp, actor_cfg.optimizer, bf16=self.bf16)
+        self.scheduler = build_scheduler(self.optimizer, actor_cfg.optimizer)
+        self.updates = 0
+        self.asleep = False
+
+    @classmethod
+    def from_hf(cls, hf_dir: str, model_cfg: ModelConfig, par_cfg: ParallelConfig, actor_cfg: ActorConfig,
+                loss: LossSettings) -> Actor:
+        """Build the actor for this rank and load its shard of the HF checkpoint in `hf_dir`."""
+        from megatron_dapo.actor.hf_io import SafetensorsReader, load_hf_weights
+        from megatron_dapo.actor.model import load_hf_config, spec_from_hf
+
+        spec = spec_from_hf(load_hf_config(hf_dir))
+        actor = cls(spec, model_cfg, par_cfg, actor_cfg, loss)
+        load_hf_weights(actor.module, SafetensorsReader(hf_dir), spec)
+        return actor
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The bare GPTModel (no DDP wrapper): parameter names match hf_mapping."""
+        return self.ddp.module
+
+    # --- logprobs --------------------------------------------------------------------------------
+
+    def _token_stats(self, logits: torch.Tensor, input_ids: torch.Tensor, entropy: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [b, s, V/TP] -> logprob of token t and entropy at t, as [b, s] (position 0 = 0)."""
+        v_local = logits.shape[-1]
+        start = parallel.tp_rank() * v_local
+        valid = max(0, min(v_local, self.spec.vocab_size - start))  # drop Megatron's vocab padding
+        lp, ent = token_logprobs_and_entropy(
+            logits[:, :-1, :valid], input_ids[:, 1:], tp_group=parallel.tp_group() if parallel.tp_size() > 1 else None,
+            vocab_start=start, compute_entropy=entropy)
+        pad = lp.new_zeros(lp.shape[0], 1)
+        return torch.cat([pad, lp], 1), None if ent is None else torch.cat([pad, ent], 1)
+
+    def _forward(self, micro: list[MicroBatch], loss_func, forward_only: bool) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        megatron_cpu.enter_thread()
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            out = model(mb.input_ids.to(parallel.device()), mb.position_ids.to(parallel.device()), None)
+            return out, partial(loss_func, mb)
+
+        seq = max(m.shape[1] for m in micro)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro), model=[self.ddp],
+            num_microbatches=len(micro), seq_length=seq, micro_batch_size=max(m.shape[0] for m in micro),
+            forward_only=forward_only)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token logprobs and entropies [B, S] of `batch` under the current policy (all ranks)."""
+        self._check_awake()
+        micro = micro_batches(batch, self.cfg.logprob_micro_batch_tokens)
+        out_lp = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        out_ent = torch.zeros_like(out_lp)
+
+        def collect(mb: MicroBatch, logits: torch.Tensor):
+            lp, ent = self._token_stats(logits.float(), mb.input_ids.to(logits.device))
+            width = mb.shape[1]
+            out_lp[mb.rows, :width] = lp.cpu()
+            out_ent[mb.rows, :width] = ent.cpu()
+            return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {}
+
+        self.ddp.eval()
+        self._forward(micro, collect, forward_only=True)
+        self.ddp.train()
+        if parallel.pp_size() > 1:
+            for t in (out_lp, out_ent):
+                dist.broadcast(t, parallel.last_stage_global_rank(), group=parallel.pp_group())
+        return out_lp, out_ent
+
+    # --- the DAPO update ---------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch, *, num_mini_batches: int = 1, epochs: int = 1) -> dict[str, float]:
+        """`epochs` x `num_mini_batches` optimizer updates on this DP rank's rows (needs old_logprobs)."""
+        self._check_awake()
+        if batch.old_logprobs is None:
+            raise ValueError("train_step needs batch.old_logprobs (call compute_logprobs first)")
+        history = []
+        for _ in range(epochs):
+            for mini in split_rows(batch, num_mini_batches):
+                history.append(self._update(mini))
+        return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+
+    def _update(self, mini: TrainBatch) -> dict[str, float]:
+        counts = torch.tensor([float(mini.loss_mask.sum()), float((mini.loss_mask.sum(1) > 0).sum())])
+        if dist.is_initialized() and parallel.dp_size() > 1:
+            dist.all_reduce(counts, group=parallel.dp_group())
+        global_tokens, global_seqs = counts.tolist()
+        stats = torch.zeros(6, dtype=torch.float64)  # loss, tokens, clip_hi, clip_lo, entropy, kl (token sums)
+
+        def loss_func(mb: MicroBatch, logits: torch.Tensor):
+            dev = logits.device
+            lp, ent = self._token_stats(logits.float(), mb.input_ids.to(dev), entropy=True)
+            mask = mb.loss_mask.to(dev)
+            loss, m = policy_loss(lp, mb.old_logprobs.to(dev), mb.advantages.to(dev), mask,
+                                  eps_low=self.loss.eps_low, eps_high=self.loss.eps_high,
+                                  agg_mode=self.loss.agg_mode, global_num_tokens=global_tokens,
+                                  global_num_seqs=global_seqs)
+            ent_sum = (ent * mask).sum()
+            if self.loss.entropy_coef:
+                loss = loss - self.loss.entropy_coef * ent_sum / max(global_tokens, 1.0)
+            n = float(m.num_tokens)
+            stats.add_(torch.tensor([float(loss.detach()), n, float(m.clipfrac_high) * n,
+                                     float(m.clipfrac_low) * n, float(ent_sum.detach()), float(m.approx_kl) * n],
+                                    dtype=torch.float64))
+            return loss, torch.tensor(int(n), dtype=torch.int), {}
+
+        self.scheduler.step(1)  # warm-up counts this update: update k uses lr * (k+1) / warmup_steps
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._forward(micro_batches(mini, self.cfg.micro_batch_tokens), loss_func, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.updates += 1
+        return self._reduce_stats(stats, grad_norm, ok)
+
+    def _reduce_stats(self, stats: torch.Tensor, grad_norm: float | None, ok: bool) -> dict[str, float]:
+        if dist.is_initialized() and parallel.world_size() > 1:
+            # loss terms live on the last pipeline stage; sum over DP and pick that stage
+            if not parallel.is_last_stage():
+                stats.zero_()
+            dist.all_reduce(stats)
+            stats /= parallel.tp_size()  # every TP rank of the last stage holds the same sums
+        loss, tokens, hi, lo, ent, kl = stats.tolist()
+        t = max(tokens, 1.0)
+        return {"loss": loss, "tokens": tokens, "clipfrac_high": hi / t, "clipfrac_low": lo / t,
+                "entropy": ent / t, "approx_kl": kl / t, "grad_norm": float(grad_norm or 0.0),
+                "lr": current_lr(self.optimizer), "update_ok": float(bool(ok))}
+
+    # --- colocated hybrid engine ------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Free device memory for the rollout engine: params, grads and optimizer state to CPU."""
+        if self.asleep:
+            return
+        if torch.cuda.is_available():
+            for buf in self.ddp.buffers:
+                buf.offload_to_cpu(move_params=True, move_grads=True)
+            self.optimizer.offload_to_cpu()
+            torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake(self) -> None:
+        if not self.asleep:
+            return
+        if torch.cuda.is_available():
+            for buf in self.ddp.buffers:
+                buf.reload_from_cpu(move_params=True, move_grads=True)
+            self.optimizer.restore_from_cpu()
+        self.asleep = False
+
+    def _check_awake(self) -> None:
+        if self.asleep:
+            raise RuntimeError("actor is asleep (rollout phase): call wake() before computing")

@@ -1,0 +1,129 @@
+"""Move weights between a Megatron GPTModel shard and Hugging Face safetensors, one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo import parallel
+from megatron_dapo.actor.hf_mapping import TensorRule, hf_to_megatron, megatron_to_hf, shard, stage_rules, unshard
+from megatron_dapo.actor.model import ModelSpec
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face checkpoint that does not match its config or is unreadable."""
+
+
+class SafetensorsReader:
+    """Lazy name -> tensor access over a (possibly sharded) safetensors checkpoint."""
+
+    def __init__(self, hf_dir: str | Path):
+        self.dir = Path(hf_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.dir / "model.safetensors").is_file():
+            weight_map = {n: "model.safetensors" for n in self._names(self.dir / "model.safetensors")}
+        else:
+            raise HFCheckpointError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")
+        self.weight_map: dict[str, str] = weight_map
+        self._open: dict[str, object] = {}
+
+    def _names(self, file: Path) -> list[str]:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(file), "pt") as f:
+                return list(f.keys())
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+            raise HFCheckpointError(f"{file}: unreadable safetensors file ({e})") from e
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self.weight_map:
+            raise HFCheckpointError(f"{self.dir}: tensor {name!r} is missing")
+        file = self.weight_map[name]
+        try:
+            if file not in self._open:
+                self._open[file] = safe_open(str(self.dir / file), "pt")
+            return self._open[file].get_tensor(name)
+        except Exception as e:
+            raise HFCheckpointError(f"{self.dir / file}: cannot read {name!r} ({e})") from e
+
+
+def _tp() -> tuple[int, int]:
+    return (parallel.tp_rank(), parallel.tp_size()) if dist.is_initialized() else (0, 1)
+
+
+def _rules_for(model: torch.nn.Module, spec: ModelSpec) -> list[TensorRule]:
+    pp_rank, pp_size = (parallel.pp_rank(), parallel.pp_size()) if dist.is_initialized() else (0, 1)
+    names = {n for n, _ in model.named_parameters()}
+    te = any(n.endswith("layer_norm_weight") for n in names)
+    rules = stage_rules(spec, pp_rank, pp_size, te=te)
+    mapped = {r.megatron_name for r in rules}
+    if names != mapped:
+        raise HFCheckpointError(f"model/mapping mismatch: unmapped params {sorted(names - mapped)[:5]}, "
+                                f"missing params {sorted(mapped - names)[:5]}")
+    return rules
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, reader: SafetensorsReader, spec: ModelSpec) -> int:
+    """Copy HF tensors into this rank's shard of `model`; returns bytes read. Checks every shape."""
+    from megatron_dapo.actor.hf_mapping import expected_hf_shape
+
+    tp_rank, tp_size = _tp()
+    params = dict(model.named_parameters())
+    total = 0
+    for rule in _rules_for(model, spec):
+        tensors = []
+        for name in rule.hf_names:
+            t = reader.get(name)
+            if tuple(t.shape) != expected_hf_shape(name, spec):
+                raise HFCheckpointError(f"{name}: shape {tuple(t.shape)} does not match the config "
+                                        f"(expected {expected_hf_shape(name, spec)})")
+            tensors.append(t)
+            total += t.numel() * t.element_size()
+        param = params[rule.megatron_name]
+        piece = shard(hf_to_megatron(tensors, rule, spec), rule, tp_rank, tp_size, _padded_rows(param, rule, tp_size))
+        param.copy_(piece.to(param.dtype))
+    return total
+
+
+def _padded_rows(param: torch.Tensor, rule: TensorRule, tp_size: int) -> int:
+    return param.shape[0] * tp_size if rule.kind == "vocab" else 0
+
+
+@torch.no_grad()
+def export_hf_weights(model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtype | None = None,
+                      *, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for this pipeline stage, gathering TP shards (every TP rank yields).
+
+    With grads=True, yields the accumulated gradients (Megatron's `main_grad`) in HF layout instead.
+    Tensors may alias live parameters or grad buffers: consume or copy them before the next update.
+    """
+    _, tp_size = _tp()
+    params = dict(model.named_parameters())
+    for rule in _rules_for(model, spec):
+        param = params[rule.megatron_name]
+        local = (param.main_grad if grads else param).detach()
+        shards = _gather_tp(local, tp_size) if rule.kind != "replicated" else [local]
+        full = unshard(shards, rule, spec.vocab_size)
+        for name, t in zip(rule.hf_names, megatron_to_hf(full, rule, spec)):
+            yield name, (t if dtype is None else t.to(dtype)).contiguous()
+
+
+def _gather_tp(local: torch.Tensor, tp_size: int) -> list[torch.Tensor]:
+    if tp_size == 1:
+        return [local]
+    out = [torch.empty_like(local) for _ in range(tp_size)]
+    dist.all_gather(out, local.contiguous(), group=parallel.tp_group())
+    return out

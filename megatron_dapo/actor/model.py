@@ -1,0 +1,177 @@
+"""A Megatron-core GPTModel built from a Hugging Face Qwen2 / Qwen2.5 / Llama config."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_dapo import megatron_cpu, parallel
+from megatron_dapo.config import ModelConfig, ParallelConfig
+
+SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config uses a feature this actor does not implement; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the actor needs to know about the architecture, read off the HF config."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    norm_eps: float
+    qkv_bias: bool
+    tied_embeddings: bool
+
+    def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
+        """Megatron pads the vocab so each TP shard has the same size (a multiple of divisible_by)."""
+        multiple = divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+def load_hf_config(hf: str | Path | Any) -> Any:
+    """A transformers PretrainedConfig from a directory, or passed through."""
+    if isinstance(hf, (str, Path)):
+        from transformers import AutoConfig
+
+        if not (Path(hf) / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in {hf}")
+        return AutoConfig.from_pretrained(str(hf))
+    return hf
+
+
+def spec_from_hf(hf_config: Any) -> ModelSpec:
+    """Validate an HF config and read the fields we map; unsupported features fail by name."""
+    arch = (getattr(hf_config, "architectures", None) or [None])[0]
+    model_type = getattr(hf_config, "model_type", None)
+    family = SUPPORTED_ARCHITECTURES.get(arch) or {"qwen2": "qwen2", "llama": "llama"}.get(model_type)
+    if family is None:
+        raise UnsupportedModelError(
+            f"architectures={arch!r} / model_type={model_type!r}: supported are {sorted(SUPPORTED_ARCHITECTURES)}")
+    _reject(hf_config, "hidden_act", lambda v: v != "silu", "only SwiGLU (hidden_act='silu') is supported")
+    _reject(hf_config, "rope_scaling", lambda v: bool(v) and _rope_type(v) != "default",
+            "rope scaling is not supported")
+    _reject(hf_config, "use_sliding_window", bool, "sliding-window attention is not supported")
+    _reject(hf_config, "mlp_bias", bool, "MLP biases are not supported")
+    heads, kv = hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    if heads % kv:
+        raise UnsupportedModelError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+    qkv_bias = True if family == "qwen2" else bool(getattr(hf_config, "attention_bias", False))
+    return ModelSpec(
+        family=family, num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+        vocab_size=hf_config.vocab_size, max_position_embeddings=hf_config.max_position_embeddings,
+        rope_theta=float(_rope_theta(hf_config)), norm_eps=float(hf_config.rms_norm_eps), qkv_bias=qkv_bias,
+        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+
+
+def _rope_type(rope_scaling: dict) -> str:
+    return rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+
+
+def _rope_theta(hf_config: Any) -> float:
+    theta = getattr(hf_config, "rope_theta", None)
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    return theta if theta is not None else params.get("rope_theta", 10000.0)
+
+
+def _reject(cfg: Any, name: str, bad, why: str) -> None:
+    value = getattr(cfg, name, None)
+    if value is not None and bad(value):
+        raise UnsupportedModelError(f"{name}={value!r}: {why}")
+
+
+def validate_layout(spec: ModelSpec, tp: int, pp: int) -> None:
+    """TP must divide heads, KV groups and FFN; PP must divide the layers."""
+    checks = {"num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+              "intermediate_size": spec.ffn_hidden_size}
+    for name, value in checks.items():
+        if value % tp:
+            raise UnsupportedModelError(f"{name}={value} is not divisible by tensor_parallel={tp}")
+    if spec.num_layers % pp:
+        raise UnsupportedModelError(f"num_hidden_layers={spec.num_layers} is not divisible by pipeline_parallel={pp}")
+
+
+def param_dtype(cfg: ModelConfig) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+
+
+def use_transformer_engine(cfg: ModelConfig) -> bool:
+    if cfg.transformer_impl == "local":
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+
+        available = torch.cuda.is_available()
+    except ImportError:
+        available = False
+    if cfg.transformer_impl == "transformer_engine" and not available:
+        raise RuntimeError("model.transformer_impl=transformer_engine but transformer_engine (with CUDA) is not available")
+    return available
+
+
+def transformer_config(spec: ModelSpec, model_cfg: ModelConfig, par: ParallelConfig) -> Any:
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = param_dtype(model_cfg)
+    recompute = {"none": {}, "selective": {"recompute_granularity": "selective"},
+                 "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=spec.norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=par.tensor_parallel, pipeline_model_parallel_size=par.pipeline_parallel,
+        sequence_parallel=par.sequence_parallel, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype, use_cpu_initialization=megatron_cpu.is_enabled(),
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        batch_p2p_comm=not megatron_cpu.is_enabled(),
+        # micro-batches are packed by a token budget, so their shapes differ; (the allgather MoE
+        # dispatcher refuses variable lengths even in a dense model, hence alltoall)
+        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        # our loss is normalised by the global token count: Megatron must not rescale it
+        calculate_per_token_loss=True,
+        **recompute[model_cfg.recompute])
+
+
+def layer_spec(model_cfg: ModelConfig) -> Any:
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_transformer_engine(model_cfg):
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_model(spec: ModelSpec, model_cfg: ModelConfig, par: ParallelConfig) -> Any:
+    """The GPTModel chunk of this pipeline stage (parallel state must be initialised)."""
+    from megatron.core.models.gpt import GPTModel
+
+    validate_layout(spec, par.tensor_parallel, par.pipeline_parallel)
+    model = GPTModel(
+        config=transformer_config(spec, model_cfg, par), transformer_layer_spec=layer_spec(model_cfg),
+        vocab_size=spec.padded_vocab_size(par.tensor_parallel),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=parallel.is_first_stage(), post_process=parallel.is_last_stage(),
+        parallel_output=True, share_embeddings_and_output_weights=spec.tied_embeddings,
+        position_embedding_type="rope", rotary_base=int(spec.rope_theta), rotary_percent=1.0)
+    return model.to(parallel.device())

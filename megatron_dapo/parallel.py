@@ -1,0 +1,182 @@
+"""The one module that touches megatron.core.parallel_state: process groups, ranks, seeding.
+
+Works under torchrun (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT), under srun (SLURM_PROCID,
+SLURM_NTASKS, first host of SLURM_JOB_NODELIST) and as a single plain process. nccl with CUDA,
+gloo without; on CPU megatron-core is made to run by `megatron_cpu.enable()`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo import megatron_cpu
+from megatron_dapo.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
+    """Rank layout from torchrun's or Slurm's variables; a lone process is rank 0 of 1."""
+    env = dict(os.environ if environ is None else environ)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", ""))
+        port = int(env.get("MASTER_PORT") or 29500 + int(env.get("SLURM_JOB_ID", "0")) % 10000)
+        return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
+                         int(env.get("SLURM_LOCALID", 0)), addr, port)
+    return LaunchEnv(0, 1, 0, "127.0.0.1", free_port())
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    if not nodelist:
+        return "127.0.0.1"
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, timeout=30, check=True).stdout.split()
+        return out[0] if out else "127.0.0.1"
+    except (OSError, subprocess.SubprocessError):
+        return nodelist.split(",")[0].split("[")[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def backend_for(cfg: ParallelConfig) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def initialize(cfg: ParallelConfig, *, seed: int, timeout_s: float = 600.0) -> LaunchEnv:
+    """Start torch.distributed (if needed) and Megatron's TP/PP/DP groups; seed every RNG."""
+    env = launch_env()
+    megatron_cpu.enable()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        dist.init_process_group(backend_for(cfg), rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    tp, pp = cfg.tensor_parallel, cfg.pipeline_parallel
+    if env.world_size % (tp * pp):
+        raise ValueError(f"TP({tp}) x PP({pp}) does not divide world size {env.world_size}")
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    seed_all(seed)
+    return env
+
+
+def seed_all(seed: int) -> None:
+    """Seed python/torch RNGs and Megatron's tracker (TP ranks get distinct model-parallel seeds)."""
+    import random
+
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed, inference_rng_tracker=megatron_cpu.is_enabled(), force_reset_rng=True)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- read access for the rest of the code base ------------------------------------------------
+
+
+def _ps():
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
+def tp_rank() -> int:
+    return _ps().get_tensor_model_parallel_rank()
+
+
+def tp_size() -> int:
+    return _ps().get_tensor_model_parallel_world_size()
+
+
+def tp_group():
+    return _ps().get_tensor_model_parallel_group()
+
+
+def pp_rank() -> int:
+    return _ps().get_pipeline_model_parallel_rank()
+
+
+def pp_size() -> int:
+    return _ps().get_pipeline_model_parallel_world_size()
+
+
+def pp_group():
+    return _ps().get_pipeline_model_parallel_group()
+
+
+def dp_rank() -> int:
+    return _ps().get_data_parallel_rank()
+
+
+def dp_size() -> int:
+    return _ps().get_data_parallel_world_size()
+
+
+def dp_group():
+    return _ps().get_data_parallel_group()
+
+
+def is_first_stage() -> bool:
+    return _ps().is_pipeline_first_stage()
+
+
+def is_last_stage() -> bool:
+    return _ps().is_pipeline_last_stage()
+
+
+def last_stage_global_rank() -> int:
+    return _ps().get_pipeline_model_parallel_last_rank()
+
+
+def global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    return global_rank() == 0
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
