@@ -108,8 +108,12 @@ def load_checkpoint(actor: Any, path: str | Path, *, load_optimizer: bool = True
         sharded.pop("optimizer")
     state = dist_checkpointing.load(sharded, str(path))
     actor.module.load_state_dict(state["model"])
-    extra = torch.load(path / "trainer_state.pt", weights_only=False)
+    state_file = path / "trainer_state.pt"
+    extra = torch.load(state_file, weights_only=False) if state_file.is_file() else {}
     if load_optimizer:
+        if not extra:
+            raise FileNotFoundError(f"{path}: no trainer_state.pt (a weights-only checkpoint?): "
+                                    "load it with load_optimizer=False")
         actor.optimizer.load_state_dict(state["optimizer"])
         actor.scheduler.load_state_dict(extra["scheduler"])
         actor.updates = extra["updates"]
