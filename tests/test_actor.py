@@ -176,3 +176,10 @@ def test_checkpoints_are_atomic_and_pruned(layouts):
     (root / "step_00000002").mkdir()  # a crash mid-save leaves no COMPLETE marker
     assert latest_checkpoint(root).name == "step_00000001"
     assert latest_checkpoint(layouts["root"] / "missing") is None
+
+
+def test_nonfinite_loss_skips_the_update(hf_dir, tmp_path, python_env_module):
+    res = run_layout("nan", hf_dir, tmp_path, env=python_env_module)[0]
+    assert res["metrics"]["nonfinite"] == 1.0 and res["metrics"]["update_ok"] == 0.0
+    assert res["unchanged"]
+    assert res["metrics_next"]["update_ok"] == 1.0  # the next healthy step trains normally

@@ -164,22 +164,33 @@ class Actor:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._forward(micro_batches(mini, self.cfg.micro_batch_tokens), loss_func, forward_only=False)
+        metrics = self._reduce_stats(stats)
+        if metrics["nonfinite"]:
+            # NaN/Inf in the loss or any gradient: skip the update so nothing is corrupted
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            return {**metrics, "grad_norm": float("nan"), "update_ok": 0.0}
         ok, grad_norm, _ = self.optimizer.step()
         self.updates += 1
-        return self._reduce_stats(stats, grad_norm, ok)
+        return {**metrics, "grad_norm": float(grad_norm or 0.0), "update_ok": float(bool(ok))}
 
-    def _reduce_stats(self, stats: torch.Tensor, grad_norm: float | None, ok: bool) -> dict[str, float]:
+    def _grads_finite(self) -> bool:
+        return all(bool(torch.isfinite(buf.grad_data.sum())) for buf in self.ddp.buffers)
+
+    def _reduce_stats(self, stats: torch.Tensor) -> dict[str, float]:
+        """Sum the token statistics over DP (from the last pipeline stage) and flag non-finite values."""
+        stats = torch.cat([stats, torch.tensor([0.0 if self._grads_finite() else 1.0], dtype=torch.float64)])
         if dist.is_initialized() and parallel.world_size() > 1:
-            # loss terms live on the last pipeline stage; sum over DP and pick that stage
             if not parallel.is_last_stage():
-                stats.zero_()
+                stats[:-1].zero_()  # loss terms live on the last pipeline stage
             dist.all_reduce(stats)
-            stats /= parallel.tp_size()  # every TP rank of the last stage holds the same sums
-        loss, tokens, hi, lo, ent, kl = stats.tolist()
+            stats[:-1] /= parallel.tp_size()  # every TP rank of the last stage holds the same sums
+        loss, tokens, hi, lo, ent, kl, bad_grads = stats.tolist()
         t = max(tokens, 1.0)
+        nonfinite = bad_grads > 0 or not all(map(torch.isfinite, stats[:-1]))
         return {"loss": loss, "tokens": tokens, "clipfrac_high": hi / t, "clipfrac_low": lo / t,
-                "entropy": ent / t, "approx_kl": kl / t, "grad_norm": float(grad_norm or 0.0),
-                "lr": current_lr(self.optimizer), "update_ok": float(bool(ok))}
+                "entropy": ent / t, "approx_kl": kl / t, "lr": current_lr(self.optimizer),
+                "nonfinite": float(nonfinite)}
 
     # --- colocated hybrid engine ------------------------------------------------------------------
 

@@ -71,6 +71,14 @@ def main() -> None:
             save_checkpoint(actor, sys.argv[6], step=1)
     if case in ("train", "load") and len(sys.argv) > 6:
         result["next_losses"] = [actor.train_step(mine)["loss"] for _ in range(2)]
+    if case == "nan":
+        before = {n: t.clone() for n, t in export_hf_weights(actor.module, actor.spec)}
+        mine.advantages[0] = float("nan")
+        result["metrics"] = actor.train_step(mine)
+        after = dict(export_hf_weights(actor.module, actor.spec))
+        result["unchanged"] = all(torch.equal(before[n], after[n]) for n in before)
+        mine.advantages[0] = 1.0
+        result["metrics_next"] = actor.train_step(mine)
     if case == "learn":
         result["losses"] = [actor.train_step(batch)["loss"] for _ in range(8)]
     torch.save(result, f"{out}/rank_{parallel.global_rank()}.pt")
