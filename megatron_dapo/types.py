@@ -86,6 +86,8 @@ class TrainBatch:
     """[B, S] float: log pi_rollout reported by the engine (for the train/rollout mismatch metric)."""
     prompt_index: torch.Tensor | None = None
     """[B] int64: which group (prompt) each row came from."""
+    response_mask: torch.Tensor | None = None
+    """[B, S] float: 1 on every generated token, truncated responses included (for monitors)."""
 
     @property
     def num_tokens(self) -> int:

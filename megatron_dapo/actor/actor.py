@@ -25,10 +25,13 @@ class LossSettings:
     eps_high: float = 0.28
     agg_mode: str = "token-mean"
     entropy_coef: float = 0.0
+    temperature: float = 1.0
+    """The rollout's sampling temperature: pi_old and pi_theta use logits / temperature, as the engine."""
 
     @classmethod
-    def from_algo(cls, algo: AlgoConfig) -> LossSettings:
-        return cls(algo.eps_low, algo.eps_high, algo.loss_agg_mode, algo.entropy_coef)
+    def from_algo(cls, algo: AlgoConfig, temperature: float = 1.0) -> LossSettings:
+        return cls(algo.eps_low, algo.eps_high, algo.loss_agg_mode, algo.entropy_coef,
+                   temperature if temperature > 0 else 1.0)
 
 
 def _finalize_grads_unscaled(model, num_tokens=None, *args, **kwargs):
@@ -78,6 +81,8 @@ class Actor:
         v_local = logits.shape[-1]
         start = parallel.tp_rank() * v_local
         valid = max(0, min(v_local, self.spec.vocab_size - start))  # drop Megatron's vocab padding
+        if self.loss.temperature != 1.0:
+            logits = logits / self.loss.temperature
         lp, ent = token_logprobs_and_entropy(
             logits[:, :-1, :valid], input_ids[:, 1:], tp_group=parallel.tp_group() if parallel.tp_size() > 1 else None,
             vocab_start=start, compute_entropy=entropy)

@@ -76,4 +76,4 @@ def select_rows(batch: TrainBatch, idx: torch.Tensor) -> TrainBatch:
     return TrainBatch(input_ids=batch.input_ids[idx], loss_mask=batch.loss_mask[idx],
                       advantages=batch.advantages[idx], lengths=batch.lengths[idx],
                       old_logprobs=pick(batch.old_logprobs), rollout_logprobs=pick(batch.rollout_logprobs),
-                      prompt_index=pick(batch.prompt_index))
+                      prompt_index=pick(batch.prompt_index), response_mask=pick(batch.response_mask))

@@ -10,7 +10,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import parallel
-from megatron_dapo.actor.hf_mapping import TensorRule, hf_to_megatron, megatron_to_hf, shard, stage_rules, unshard
+from megatron_dapo.actor.hf_mapping import (
+    TensorRule,
+    expected_hf_shape,
+    hf_to_megatron,
+    megatron_to_hf,
+    shard,
+    stage_rules,
+    unshard,
+)
 from megatron_dapo.actor.model import ModelSpec
 
 
@@ -78,8 +86,6 @@ def _rules_for(model: torch.nn.Module, spec: ModelSpec) -> list[TensorRule]:
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, reader: SafetensorsReader, spec: ModelSpec) -> int:
     """Copy HF tensors into this rank's shard of `model`; returns bytes read. Checks every shape."""
-    from megatron_dapo.actor.hf_mapping import expected_hf_shape
-
     tp_rank, tp_size = _tp()
     params = dict(model.named_parameters())
     total = 0
@@ -127,3 +133,80 @@ def _gather_tp(local: torch.Tensor, tp_size: int) -> list[torch.Tensor]:
     out = [torch.empty_like(local) for _ in range(tp_size)]
     dist.all_gather(out, local.contiguous(), group=parallel.tp_group())
     return out
+
+
+def hf_weight_stream(module: torch.nn.Module, spec: ModelSpec, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every HF tensor of the model, in order, on every rank of each pipeline (collective).
+
+    This stage's tensors come from `export_hf_weights` (TP all-gather); other stages' tensors are
+    broadcast from their owner inside the pipeline group, one tensor at a time.
+    """
+    pp_size = parallel.pp_size() if dist.is_initialized() else 1
+    if pp_size == 1:
+        for name, t in export_hf_weights(module, spec, dtype):
+            yield name, t
+        return
+    me, ranks = parallel.pp_rank(), dist.get_process_group_ranks(parallel.pp_group())
+    for stage in range(pp_size):
+        if stage == me:
+            for name, t in export_hf_weights(module, spec, dtype):
+                dist.broadcast(t, ranks[stage], group=parallel.pp_group())
+                yield name, t
+        else:
+            for rule in stage_rules(spec, stage, pp_size):
+                for name in rule.hf_names:
+                    t = torch.empty(expected_hf_shape(name, spec), dtype=dtype, device=parallel.device())
+                    dist.broadcast(t, ranks[stage], group=parallel.pp_group())
+                    yield name, t
+
+
+AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+
+
+def save_hf_checkpoint(module: torch.nn.Module, spec: ModelSpec, out_dir: str | Path, src_hf_dir: str | Path | None,
+                       *, dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Collective: write the model as HF safetensors (sharded above max_shard_bytes, with an index)
+    on global rank 0, streaming one shard at a time; config and tokenizer files come from src_hf_dir."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    main = parallel.global_rank() == 0 if dist.is_initialized() else True
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    buf, size, files, weight_map = {}, 0, [], {}
+
+    def flush() -> None:
+        nonlocal buf, size
+        if buf and main:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(buf, str(out / name), metadata={"format": "pt"})
+            files.append(name)
+            weight_map.update({k: name for k in buf})
+        buf, size = {}, 0
+
+    for name, t in hf_weight_stream(module, spec, dtype):
+        nbytes = t.numel() * t.element_size()
+        if buf and size + nbytes > max_shard_bytes:
+            flush()
+        if main:
+            buf[name] = t.detach().to("cpu", copy=True).contiguous()
+        size += nbytes
+    flush()
+    if main:
+        _finalize_shards(out, files, weight_map)
+        for aux in AUX_FILES if src_hf_dir else ():
+            if (Path(src_hf_dir) / aux).is_file():
+                shutil.copy2(Path(src_hf_dir) / aux, out / aux)
+    return out
+
+
+def _finalize_shards(out: Path, files: list[str], weight_map: dict[str, str]) -> None:
+    if len(files) == 1:
+        (out / files[0]).rename(out / "model.safetensors")
+        return
+    total = sum((out / f).stat().st_size for f in files)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

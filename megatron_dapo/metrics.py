@@ -1,0 +1,100 @@
+"""TensorBoard scalars (the paper's §4.3 dashboard), alarms, and an end-of-run PNG of the dynamics."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_dapo.config import LoggingConfig
+
+log = logging.getLogger(__name__)
+
+SUMMARY_CURVES = ("response_length/mean", "train/reward_mean", "actor/entropy", "actor/mean_token_prob",
+                  "val/acc_avg_at_k")
+
+
+@dataclass
+class Alarms:
+    """Entropy collapse and length blow-up, each raised as a warning and an `alarm/*` scalar."""
+
+    cfg: LoggingConfig
+    max_response_len: int
+    first_entropy: float | None = None
+    raised: set[str] = field(default_factory=set)
+
+    def check(self, scalars: dict[str, float]) -> dict[str, float]:
+        out = {}
+        ent = scalars.get("actor/entropy")
+        if ent is not None and math.isfinite(ent):
+            self.first_entropy = ent if self.first_entropy is None else self.first_entropy
+            out["alarm/entropy_collapse"] = float(ent < self.cfg.entropy_collapse_frac * self.first_entropy)
+        length = scalars.get("response_length/mean")
+        if length is not None:
+            out["alarm/length_blowup"] = float(length > self.cfg.length_blowup_frac * self.max_response_len)
+        out["alarm/nonfinite_loss"] = float(scalars.get("actor/nonfinite", 0.0) > 0)
+        for name, on in out.items():
+            if on and name not in self.raised:
+                log.warning("ALARM %s: %s", name, {k: v for k, v in scalars.items() if k.split("/")[0] in
+                                                    ("actor", "response_length")})
+            (self.raised.add if on else self.raised.discard)(name)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"first_entropy": self.first_entropy}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.first_entropy = state.get("first_entropy")
+
+
+class MetricsWriter:
+    """Writes scalars on the main rank only; keeps the history for the summary plot."""
+
+    def __init__(self, logdir: str | Path, enabled: bool = True):
+        self.logdir = Path(logdir)
+        self.enabled = enabled
+        self.history: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        self._writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.logdir.mkdir(parents=True, exist_ok=True)
+            self._writer = SummaryWriter(str(self.logdir))
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        for tag, value in scalars.items():
+            value = float(value)
+            self._writer.add_scalar(tag, value, step)
+            self.history[tag].append((step, value))
+        self._writer.flush()
+
+    def summary_png(self, path: str | Path | None = None) -> Path | None:
+        """A 2x3 grid of the dynamics the paper monitors (§4.3), next to the event files."""
+        if not self.enabled or not self.history:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+        for ax, tag in zip(axes.flat, SUMMARY_CURVES + ("rollout/kept_group_frac",)):
+            points = self.history.get(tag, [])
+            if points:
+                ax.plot(*zip(*points), marker="." if len(points) < 50 else None)
+            ax.set_title(tag)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        out = Path(path) if path else self.logdir / "summary.png"
+        fig.savefig(out, dpi=90)
+        plt.close(fig)
+        return out
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()

@@ -1,0 +1,112 @@
+"""The DAPO trainer end to end on CPU: every monitor written and finite, SIGKILL + resume replays
+exactly, the final policy exports to HF, dry-run and config errors. `slow`: the full tiny run learns."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TAGS = [
+    "train/reward_mean", "train/acc_mean", "response_length/mean", "response_length/max",
+    "response_length/clip_ratio", "actor/entropy", "actor/mean_token_prob", "actor/pg_loss",
+    "actor/clipfrac_high", "actor/clipfrac_low", "actor/grad_norm", "actor/lr", "rollout/gen_rounds",
+    "rollout/kept_group_frac", "rollout/train_rollout_logprob_absdiff", "val/acc_avg_at_k",
+    "timing/rollout_s", "timing/reward_s", "timing/old_logprob_s", "timing/update_s", "timing/weight_sync_s",
+    "timing/step_s", "perf/tokens_per_s",
+]
+SMALL = ["train.prompt_batch_size=8", "train.mini_batch_size=4", "algo.group_size=4", "eval.n_samples=2",
+         "eval.max_prompts=16", "eval.every_steps=2", "train.deterministic=true"]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    sys.path.insert(0, str(REPO / "tools"))
+    from make_tiny_base import ensure_tiny_base
+
+    return ensure_tiny_base(tmp_path_factory.mktemp("base") / "tiny_base", seconds=8)
+
+
+def scalars(logdir: Path) -> dict[str, dict[int, float]]:
+    """tag -> step -> value (the last one written wins, as after a resume)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, dict[int, float]] = {}
+    for f in sorted(logdir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime):
+        ea = EventAccumulator(str(f))
+        ea.Reload()
+        for tag in ea.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in ea.Scalars(tag)})
+    return out
+
+
+def train_cmd(base_dir, root, run, *extra):
+    return [sys.executable, "-m", "megatron_dapo.train", "--config", str(REPO / "examples/configs/tiny_cpu.yaml"),
+            f"model.hf_dir={base_dir}", f"checkpoint.dir={root / 'ckpt'}", f"logging.tensorboard_dir={root / 'tb'}",
+            f"logging.run_name={run}", *SMALL, *extra]
+
+
+def run_train(cmd, env, timeout=600):
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-6000:]
+    return r
+
+
+def test_three_steps_write_every_monitor(base_dir, tmp_path, python_env):
+    run_train(train_cmd(base_dir, tmp_path, "smoke", "train.steps=3", "checkpoint.save_every=0"), python_env)
+    tb = scalars(tmp_path / "tb" / "smoke")
+    for tag in TAGS:
+        assert tag in tb, f"missing tag {tag}"
+        assert all(math.isfinite(v) for v in tb[tag].values()), tag
+    assert set(tb["actor/pg_loss"]) == {1, 2, 3}
+    assert set(tb["val/acc_avg_at_k"]) == {0, 2, 3}  # before training, every 2 steps, at the end
+    assert 0 <= tb["train/acc_mean"][1] <= 1 and tb["response_length/max"][1] <= 24
+    assert tb["rollout/train_rollout_logprob_absdiff"][1] < 1e-4  # engine and actor hold the same weights
+    assert (tmp_path / "tb" / "smoke" / "summary.png").is_file()
+    hf = tmp_path / "ckpt" / "smoke" / "hf_final"
+    assert (hf / "model.safetensors").is_file() and (hf / "tokenizer.json").is_file()
+    assert (tmp_path / "ckpt" / "smoke" / "step_00000003" / "COMPLETE").is_file()
+
+
+def test_sigkill_and_resume_replays_exactly(base_dir, tmp_path, python_env):
+    steps = ["train.steps=4", "checkpoint.save_every=1", "eval.every_steps=0"]
+    run_train(train_cmd(base_dir, tmp_path, "straight", *steps), python_env)
+    proc = subprocess.Popen(train_cmd(base_dir, tmp_path, "killed", *steps), env=python_env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = tmp_path / "ckpt" / "killed" / "step_00000002" / "COMPLETE"
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert marker.exists(), "the run never reached its step-2 checkpoint"
+    assert not (tmp_path / "ckpt" / "killed" / "step_00000004").exists()
+    run_train(train_cmd(base_dir, tmp_path, "killed", *steps, "checkpoint.resume=auto"), python_env)
+    a, b = scalars(tmp_path / "tb" / "straight"), scalars(tmp_path / "tb" / "killed")
+    for tag in TAGS:
+        if tag.startswith(("timing/", "perf/", "val/")):
+            continue
+        for step in (3, 4):
+            assert a[tag][step] == b[tag][step], (tag, step, a[tag][step], b[tag][step])
+
+
+def test_dry_run_and_config_errors(python_env):
+    cfg = str(REPO / "examples/configs/tiny_cpu.yaml")
+    r = subprocess.run([sys.executable, "-m", "megatron_dapo.train", "--config", cfg, "--dry-run"],
+                       capture_output=True, text=True, env=python_env, timeout=120)
+    assert r.returncode == 0 and "group_size: 8" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, "-m", "megatron_dapo.train", "--config", cfg, "algo.eps_hgh=1"],
+                       capture_output=True, text=True, env=python_env, timeout=120)
+    assert r.returncode == 2 and "algo.eps_hgh" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_base_model_is_a_clear_error(tmp_path, python_env):
+    r = subprocess.run([sys.executable, "-m", "megatron_dapo.train", "--config",
+                        str(REPO / "examples/configs/tiny_cpu.yaml"), f"model.hf_dir={tmp_path / 'nope'}"],
+                       capture_output=True, text=True, env=python_env, timeout=300)
+    assert r.returncode != 0 and "make_tiny_base" in r.stderr
