@@ -18,7 +18,7 @@ setup(
         # Install torch first (`pip install torch==2.13.0` is a local CPU wheel here); any >= 2.6 works.
         "torch>=2.6",
         "megatron-core>=0.16",
-        "transformers>=4.45",
+        "transformers>=5.0",
         "safetensors",
         "tensorboard",
         "numpy",

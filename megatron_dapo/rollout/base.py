@@ -1,0 +1,132 @@
+"""The one interface every rollout engine implements (embedded, SGLang).
+
+The trainer only talks to `RolloutEngine`: generate G samples per prompt with per-token logprobs,
+release memory around training (`sleep`/`wake`), take fresh weights as a stream of HF-named
+tensors (`update_weights`), drop leftovers (`abort`), and report liveness (`health`).
+
+Logprob semantics (all engines): `Sample.rollout_logprobs[t]` is
+log softmax(logits_t / temperature)[o_t], the temperature-scaled distribution BEFORE top-p
+truncation, which is what SGLang returns by default. With temperature 0 (greedy) it is the plain
+log softmax(logits_t)[o_t]. The actor must compute pi_old with the same temperature to match.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import torch
+
+from megatron_dapo.config import RolloutConfig
+from megatron_dapo.types import Sample
+
+
+class EngineStateError(RuntimeError):
+    """The engine cannot serve the call in its current state (asleep, shut down, busy)."""
+
+
+class GenerationAborted(RuntimeError):
+    """`abort()` was called while `generate` was running; its unfinished requests were dropped."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    temperature: float = 1.0
+    """0 = greedy (argmax); otherwise logits are divided by it before softmax."""
+    top_p: float = 1.0
+    """Nucleus sampling: sample among the smallest token set whose probability mass reaches top_p."""
+    max_new_tokens: int = 1024
+    """Response length limit; a response that reaches it finishes with reason "length" (truncated)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop tokens besides the model's EOS; the stop token is kept in the response."""
+    ignore_eos: bool = False
+    """Do not stop on the model's EOS token(s) (stop_token_ids still apply); as SGLang's ignore_eos."""
+    seed: int | None = None
+    """Seeds sampling: the same seed, prompts and engine settings give the same samples."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature} must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p={self.top_p} must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens} must be >= 1")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_config(
+        cls, cfg: RolloutConfig, *, stop_token_ids: Sequence[int] = (), seed: int | None = None
+    ) -> SamplingParams:
+        """Training-rollout sampling from the rollout sub-config."""
+        return cls(
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_response_len,
+            stop_token_ids=tuple(stop_token_ids),
+            seed=seed,
+        )
+
+
+def check_prompts(prompt_token_ids: Sequence[Sequence[int]], n: int) -> None:
+    """Reject malformed requests before any work starts; the message names the bad prompt."""
+    if n < 1:
+        raise ValueError(f"n={n}: need at least one sample per prompt")
+    for i, ids in enumerate(prompt_token_ids):
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+
+
+class RolloutEngine(ABC):
+    """Generates groups of samples and takes weight updates; usable as a context manager."""
+
+    @abstractmethod
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> list[list[Sample]]:
+        """n samples per prompt, in prompt order; each with response ids, logprobs, finish reason.
+
+        finish_reason is "stop" when a stop/EOS token was sampled (kept in response_ids, with its
+        logprob) and "length" when max_new_tokens was reached (truncated).
+        """
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the engine's weights, consuming the iterable as a stream.
+
+        Raises KeyError for an unknown name and ValueError for a shape mismatch, naming the tensor.
+        Tensors before the bad one are already applied: resync all weights after such an error.
+        """
+
+    @abstractmethod
+    def sleep(self) -> None:
+        """Release device memory for training (colocated mode); generate refuses until wake()."""
+
+    @abstractmethod
+    def wake(self) -> None:
+        """Retake the memory released by sleep()."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Drop unfinished requests; their generate call raises GenerationAborted."""
+
+    @abstractmethod
+    def health(self) -> bool:
+        """True when the engine can serve requests (possibly after wake())."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Free everything; idempotent. The engine is unusable afterwards."""
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.shutdown()
