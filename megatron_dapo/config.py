@@ -197,6 +197,8 @@ class TrainConfig:
     """Seeds data order, sampling and initialisation."""
     deterministic: bool = False
     """Deterministic algorithms (slower); required for exact resume comparisons."""
+    rollout_budget: int = 0
+    """Stop once this many responses have been generated (0 = no limit): equal-budget ablations."""
 
 
 @dataclass(kw_only=True)

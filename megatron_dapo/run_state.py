@@ -63,6 +63,7 @@ class RunState:
     ckpt_root: Path
     hf_dir: str
     start_step: int = 0
+    samples_generated: int = 0
     _times: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     _bar: Any = None
 
@@ -142,7 +143,9 @@ class RunState:
         self._times["rollout"] -= rollout.reward_seconds
         self._times["reward"] += rollout.reward_seconds
         lengths = [s.response_len for s in samples]
-        return {"train/reward_mean": _mean([s.reward for s in samples]),
+        self.samples_generated += len(samples)
+        return {"rollout/samples_total": float(self.samples_generated),
+                "train/reward_mean": _mean([s.reward for s in samples]),
                 "train/acc_mean": _mean([float(s.acc) for s in samples]),
                 "response_length/mean": _mean(lengths), "response_length/max": float(max(lengths, default=0)),
                 "response_length/clip_ratio": _mean([float(s.truncated) for s in samples]),
@@ -184,6 +187,10 @@ class RunState:
 
     # --- evaluation and checkpoints ---------------------------------------------------------------------
 
+    def budget_spent(self) -> bool:
+        budget = self.cfg.train.rollout_budget
+        return budget > 0 and self.samples_generated >= budget
+
     def wants_eval(self, step: int) -> bool:
         every = self.cfg.eval.every_steps
         return bool(self.val_prompts) and every > 0 and (step % every == 0 or step == self.cfg.train.steps)
@@ -208,7 +215,7 @@ class RunState:
 
     def save(self, step: int) -> None:
         state = {"data": self.prompts.state_dict() if self.prompts else None, "alarms": self.alarms.state_dict(),
-                 "config": to_dict(self.cfg)}
+                 "samples_generated": self.samples_generated, "config": to_dict(self.cfg)}
         save_checkpoint(self.actor, self.ckpt_root, step, trainer_state=state, keep_last=self.cfg.checkpoint.keep_last)
 
     def finish(self) -> None:
@@ -301,6 +308,7 @@ def _maybe_resume(run: RunState) -> None:
     if run.prompts is not None and trainer.get("data"):
         run.prompts.load_state_dict(trainer["data"])
     run.alarms.load_state_dict(trainer.get("alarms", {}))
+    run.samples_generated = int(trainer.get("samples_generated", 0))
     run.start_step = int(extra["step"])
     if run.is_driver:
         log.info("resumed from %s (step %d)", path, run.start_step)

@@ -30,11 +30,15 @@ def train(cfg: Config) -> dict[str, float]:
         run.write(0, run.evaluate())
     for step in run.progress(range(run.start_step + 1, cfg.train.steps + 1)):
         scalars = dapo_step(run, step)
-        if run.wants_eval(step):
+        last = run.budget_spent()
+        if run.wants_eval(step) or (last and run.val_prompts):
             scalars.update(run.evaluate())
         run.write(step, scalars)
-        if run.wants_checkpoint(step):
+        if run.wants_checkpoint(step) or last:
             run.save(step)
+        if last:
+            log.info("rollout budget of %d responses spent after step %d", cfg.train.rollout_budget, step)
+            break
     run.finish()
     return scalars
 
