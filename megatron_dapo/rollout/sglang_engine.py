@@ -1,0 +1,928 @@
+"""SGLang rollout engine: one `sglang.launch_server` process, driven over its HTTP API.
+
+The server runs from its own python (`python=`; on CPU the venv that `tools/sglang_venv.sh` builds,
+torch 2.14.1 + sglang 0.5.23), bound to 127.0.0.1, with `--skip-tokenizer-init` (token ids in and
+out). This module imports neither sglang nor anything outside the standard library, torch and
+safetensors, so the trainer's python (torch 2.13, no sglang) drives it.
+
+Without CUDA the server is SGLang's CPU engine (`SGLANG_USE_CPU_ENGINE=1 --device cpu
+--attention-backend torch_native`, cuda graphs off); the two CPU shims of
+`megatron_dapo/rollout/sglang_cpu/` are active there. With CUDA the normal flags apply, plus
+`--enable-memory-saver` when colocated so that sleep()/wake() really free and retake GPU memory.
+
+Weight transports (`SGLangConfig.weight_sync`). All three were verified against the real SGLang
+0.5.23 server on CPU from a torch 2.13 trainer process without sglang; logprobs after a sync equal
+the source model's within 1e-4 (tests/test_rollout_sglang.py):
+- "tensor" (colocated): each bucket is copied once into a flat shared buffer and the list of
+  (name, view) pairs is pickled with torch's ForkingPickler -- what sglang's MultiprocessingSerializer
+  does -- then POSTed to /update_weights_from_tensor (base64). CPU tensors travel as shared-memory
+  file names (file_system sharing strategy, set only around the pickling), so one bucket is one
+  /dev/shm segment; CUDA tensors travel as CUDA IPC handles (untested here: needs a GPU). SGLang's
+  unpickler allows exactly these torch rebuild functions.
+- "distributed" (disaggregated): a dedicated process group (rank 0 = this process, ranks 1.. = the
+  server's TP workers; gloo on CPU, NCCL on GPU) made with /init_weights_update_group; each bucket is
+  one broadcast of a flat uint8 tensor (load_format "flattened_bucket"), announced by
+  /update_weights_from_distributed. torch 2.13 (trainer) <-> 2.14 (server) gloo interoperates.
+- "disk": buckets are written as safetensors shards into a temporary folder, loaded with one
+  /update_weights_from_disk, then deleted. Needs a file system both processes see.
+Tensor and distributed updates are wrapped in /begin_weight_update ... /end_weight_update (SGLang
+0.5.x refuses them otherwise); every update ends with /flush_cache (no stale radix-cache KV).
+
+Failure handling: every HTTP call has a timeout and runs while the server's process tree is watched;
+a server that exits, or does not answer in time, raises `SGLangServerError` naming the address, the
+PID and the log file, with the log's last lines. Nothing here waits without a bound.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import io
+import itertools
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from megatron_dapo.config import SGLangConfig
+from megatron_dapo.rollout.base import (
+    EngineStateError,
+    GenerationAborted,
+    RolloutEngine,
+    SamplingParams,
+    check_prompts,
+)
+from megatron_dapo.types import FinishReason, Sample
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VENV_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+"""KV-cache size on CPU when none is given (SGLang's own default there is ~15 GB of RAM)."""
+_ALIGN = 64
+"""Byte alignment of each tensor inside a flat bucket (any dtype can be viewed in place)."""
+_LOG_TAIL_LINES = 30
+
+
+class SGLangServerError(RuntimeError):
+    """The SGLang server died, did not start, did not answer in time, or refused a request."""
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+def default_python() -> str:
+    """The python that runs the server: $MEGATRON_DAPO_SGLANG_PYTHON, else the venv of
+    tools/sglang_venv.sh ($MEGATRON_DAPO_SGLANG_VENV or the repo's .venv-sglang) if built, else ours."""
+    if os.environ.get("MEGATRON_DAPO_SGLANG_PYTHON"):
+        return os.environ["MEGATRON_DAPO_SGLANG_PYTHON"]
+    venv = os.environ.get("MEGATRON_DAPO_SGLANG_VENV")
+    candidate = Path(venv) / "bin" / "python" if venv else DEFAULT_VENV_PYTHON
+    return str(candidate) if candidate.exists() else sys.executable
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex((host, port)) == 0
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a stream of tensors into buckets of at most `bucket_bytes` (consumed lazily, in order).
+
+    A tensor larger than a bucket travels alone in its own bucket; no bucket is empty.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        n = tensor_nbytes(tensor)
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += n
+    if bucket:
+        yield bucket
+
+
+def _aligned_layout(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[int], int]:
+    offsets, pos = [], 0
+    for _, t in bucket:
+        pos = -(-pos // _ALIGN) * _ALIGN
+        offsets.append(pos)
+        pos += tensor_nbytes(t)
+    return offsets, pos
+
+
+def _flat_views(
+    flat: torch.Tensor, bucket: Sequence[tuple[str, torch.Tensor]], offsets: Sequence[int]
+) -> list[tuple[str, torch.Tensor]]:
+    """Copy each tensor into the flat uint8 buffer at its offset; return the (name, view) pairs."""
+    views = []
+    for (name, t), off in zip(bucket, offsets):
+        view = flat[off : off + tensor_nbytes(t)].view(t.dtype).view(t.shape)
+        view.copy_(t.detach())
+        views.append((name, view))
+    return views
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_generate_response(payload: Any, prompts: Sequence[Sequence[int]]) -> list[Sample]:
+    """SGLang /generate JSON (one dict per request, in request order) -> Samples.
+
+    Raises GenerationAborted if any request finished with type "abort", ValueError on a malformed
+    payload (the message names the request index).
+    """
+    items = payload if isinstance(payload, list) else [payload]
+    if len(items) != len(prompts):
+        raise ValueError(f"/generate returned {len(items)} results for {len(prompts)} requests")
+    samples = []
+    for i, (item, prompt) in enumerate(zip(items, prompts)):
+        meta = item.get("meta_info") or {}
+        reason = (meta.get("finish_reason") or {}).get("type")
+        if reason == "abort":
+            raise GenerationAborted(f"request {i} was aborted: {meta.get('finish_reason')}")
+        if reason not in ("stop", "length"):
+            raise ValueError(f"request {i}: unexpected finish_reason {meta.get('finish_reason')!r}")
+        out_ids = [int(t) for t in item["output_ids"]]
+        lps = meta.get("output_token_logprobs")
+        if lps is None or len(lps) != len(out_ids):
+            raise ValueError(f"request {i}: {len(out_ids)} output ids but logprobs {lps!r:.200}")
+        if any(int(tok) != t for (_, tok, *_), t in zip(lps, out_ids)):
+            raise ValueError(f"request {i}: logprob token ids do not match output_ids")
+        finish: FinishReason = reason
+        samples.append(
+            Sample(
+                prompt_ids=list(prompt),
+                response_ids=out_ids,
+                rollout_logprobs=[float(lp) for lp, *_ in lps],
+                finish_reason=finish,
+            )
+        )
+    return samples
+
+
+def _cut_at_stop(sample: Sample, stop: set[int]) -> Sample:
+    """End a sample at its first stop token (kept, with its logprob) and mark it "stop"."""
+    for i, tok in enumerate(sample.response_ids):
+        if tok in stop:
+            sample.response_ids = sample.response_ids[: i + 1]
+            sample.rollout_logprobs = sample.rollout_logprobs[: i + 1]
+            sample.finish_reason = "stop"
+            break
+    return sample
+
+
+def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]] | None:
+    """Tensor names and shapes of an HF safetensors checkpoint (headers only); None if not readable."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():  # noqa: SIM118 - safe_open is not a dict
+                shapes[k] = tuple(st.get_slice(k).get_shape())
+    cfg_file = Path(model_path) / "config.json"
+    tied = cfg_file.exists() and json.loads(cfg_file.read_text()).get("tie_word_embeddings", False)
+    if tied and "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes:
+        shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
+    return shapes
+
+
+@contextmanager
+def _file_system_sharing() -> Iterator[None]:
+    import torch.multiprocessing as tmp
+
+    old = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        tmp.set_sharing_strategy(old)
+
+
+_SHM_MANAGER_STARTED = False
+
+
+def _start_shm_manager_quietly() -> None:
+    """Start torch's shm manager daemon with /dev/null as stdout/stderr.
+
+    The file_system sharing strategy spawns `torch_shm_manager`, which inherits and keeps open this
+    process's stdout/stderr; a parent that reads our output through a pipe would then wait for EOF
+    as long as the SGLang server holds a segment. Spawning it once with /dev/null avoids that.
+    """
+    global _SHM_MANAGER_STARTED
+    if _SHM_MANAGER_STARTED:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        with _file_system_sharing():
+            torch.empty(1).share_memory_()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
+    _SHM_MANAGER_STARTED = True
+
+
+def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """Pickle (name, tensor) pairs like sglang's MultiprocessingSerializer(output_str=True), without sglang.
+
+    CPU tensors are (re)placed in shared memory and pickled by file name; CUDA tensors by IPC handle.
+    The caller keeps the tensors alive until the server has loaded them.
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's reducers on ForkingPickler)
+
+    if any(not t.is_cuda for _, t in named):
+        _start_shm_manager_quietly()
+    buf = io.BytesIO()
+    with _file_system_sharing():
+        ForkingPickler(buf).dump(list(named))
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _init_custom_process_group(
+    backend: str, host: str, port: int, world_size: int, rank: int, group_name: str, timeout: timedelta
+) -> Any:
+    """A process group outside the default world (the same recipe SGLang uses on its side)."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    store, rank, world_size = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        backend_options=None,
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def _parent_death_signal_setter() -> Any:
+    """A preexec_fn asking the kernel to SIGTERM the server when the launching thread dies (Linux).
+
+    libc is loaded here, in the parent: the function that runs between fork and exec imports nothing.
+    """
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def set_pdeathsig() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+    return set_pdeathsig
+
+
+@dataclass
+class WeightUpdateStats:
+    seconds: float = 0.0
+    bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+    transport: str = ""
+
+    def add(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.buckets += 1
+        self.tensors += len(bucket)
+        self.bytes += sum(tensor_nbytes(t) for _, t in bucket)
+
+
+# ------------------------------------------------------------------------------------------ engine
+
+
+class SGLangEngine(RolloutEngine):
+    """One SGLang server (one rollout TP group) as a `RolloutEngine`.
+
+    `model_path`: HF folder the server loads at start (and whose safetensors headers are used to
+    check names/shapes of weight updates). `cfg`: the SGLang sub-config. `bucket_mb`: weight-sync
+    bucket size (RolloutConfig.weight_sync_bucket_mb). `python`: the interpreter with sglang
+    (default: see `default_python`). `port`: default cfg.base_port + server_index. `dtype`: the
+    server's --dtype. `device`: "auto" = cuda if this process sees CUDA, else the CPU engine.
+    `log_dir`: where `sglang-<host>-<port>.log` goes. `extra_args`: more launch flags (after
+    cfg.extra_args). Starting waits for /health up to cfg.startup_timeout_s.
+
+    The server gets its own process group (shutdown() stops the whole tree: SIGTERM, then SIGKILL
+    after `shutdown_grace_s`), is stopped at interpreter exit, and with `kill_with_parent` gets
+    SIGTERM from the kernel if the thread that created the engine dies (so a killed trainer leaves
+    no server behind; create engines in a long-lived thread, or pass False).
+
+    `seed` in SamplingParams is passed as SGLang's per-request `sampling_seed` (sample k of a call
+    gets seed + k); SGLang honours it only with `--enable-deterministic-inference`.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        cfg: SGLangConfig | None = None,
+        *,
+        bucket_mb: int = 512,
+        python: str | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        server_index: int = 0,
+        dtype: str = "auto",
+        device: Literal["auto", "cpu", "cuda"] = "auto",
+        colocate: bool = True,
+        max_total_tokens: int | None = None,
+        log_dir: str | Path | None = None,
+        extra_args: Sequence[str] = (),
+        shutdown_grace_s: float = 15.0,
+        kill_with_parent: bool = True,
+    ) -> None:
+        self.cfg = cfg or SGLangConfig()
+        self.model_path = str(model_path)
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.python = python or default_python()
+        self.host = host
+        self.port = int(port if port is not None else self.cfg.base_port + server_index)
+        self.url = f"http://{host}:{self.port}"
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = device
+        self.shutdown_grace_s = shutdown_grace_s
+        self.kill_with_parent = kill_with_parent
+        log_dir = (
+            Path(log_dir) if log_dir is not None else Path(tempfile.gettempdir()) / "megatron-dapo-sglang"
+        )
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"sglang-{host}-{self.port}.log"
+        self._shapes = checkpoint_shapes(self.model_path)
+        self._asleep = False
+        self._closed = False
+        self._proc: subprocess.Popen | None = None
+        self._children: list[int] = []
+        self._pg: Any = None
+        self._group_name = f"megatron_dapo_{os.getpid()}_{self.port}"
+        self._group_ids = itertools.count()
+        self._pg_name = ""
+        self._abort = threading.Event()
+        self._versions = itertools.count(1)
+        self.last_update = WeightUpdateStats()
+        self._cmd = self._launch_command(dtype, colocate, max_total_tokens, extra_args)
+        self._start()
+
+    # ------------------------------------------------------------------------------- lifecycle
+
+    def _launch_command(
+        self, dtype: str, colocate: bool, max_total_tokens: int | None, extra_args: Sequence[str]
+    ) -> list[str]:
+        user = shlex.split(self.cfg.extra_args) + list(extra_args)
+        cmd = [
+            self.python,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--skip-tokenizer-init",
+            "--dtype",
+            dtype,
+            "--tp-size",
+            str(self.cfg.tensor_parallel),
+        ]
+        if self.device == "cpu":
+            cmd += [
+                "--device",
+                "cpu",
+                "--attention-backend",
+                "torch_native",
+                "--cuda-graph-backend-decode=disabled",
+                "--cuda-graph-backend-prefill=disabled",
+            ]
+            if max_total_tokens is None and not any(a.startswith("--max-total-tokens") for a in user):
+                max_total_tokens = CPU_DEFAULT_MAX_TOTAL_TOKENS
+        else:
+            cmd += ["--mem-fraction-static", str(self.cfg.mem_fraction_static)]
+            if colocate:
+                cmd.append("--enable-memory-saver")
+        if max_total_tokens is not None:
+            cmd += ["--max-total-tokens", str(max_total_tokens)]
+        return cmd + user
+
+    def _server_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if Path(self.python).resolve() != Path(sys.executable).resolve():
+            env.pop("PYTHONPATH", None)  # never leak this interpreter's packages into the server's
+            env.pop("PYTHONHOME", None)
+        if self.device == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+        return env
+
+    def _start(self) -> None:
+        if _port_in_use(self.host, self.port):
+            raise SGLangServerError(f"cannot start SGLang server at {self.url}: the port is already in use")
+        with open(self.log_path, "wb") as log:
+            log.write(("$ " + shlex.join(self._cmd) + "\n").encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self._cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._server_env(),
+                start_new_session=True,
+                preexec_fn=_parent_death_signal_setter() if self.kill_with_parent else None,
+            )
+        _LIVE_ENGINES.add(self)
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                self._closed = True
+                _LIVE_ENGINES.discard(self)
+                raise self._error(f"exited with code {self._proc.returncode} during startup")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self._kill()
+                self._closed = True
+                _LIVE_ENGINES.discard(self)
+                raise self._error(
+                    f"did not become healthy within {self.cfg.startup_timeout_s:.0f} s; killed it"
+                )
+            time.sleep(0.5)
+        self._children = self._child_pids()
+
+    def _child_pids(self) -> list[tuple[int, float]]:
+        """(pid, start time) of the server's worker processes; the start time guards against PID reuse."""
+        try:
+            import psutil
+
+            return [(c.pid, c.create_time()) for c in psutil.Process(self._proc.pid).children(recursive=True)]
+        except Exception:
+            return []
+
+    @staticmethod
+    def _same_process(pid: int, started: float) -> bool:
+        try:
+            import psutil
+
+            p = psutil.Process(pid)
+            return abs(p.create_time() - started) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE
+        except Exception:
+            return False
+
+    def _dead_reason(self) -> str | None:
+        """Why the server cannot answer: its main process exited, or one of its workers died."""
+        if self._proc is None:
+            return "was never started"
+        if self._proc.poll() is not None:
+            return f"exited with code {self._proc.returncode}"
+        for pid, started in self._children:
+            if not self._same_process(pid, started):
+                return f"worker process {pid} died"
+        return None
+
+    def _dead_reason_settled(self, connection_failed: bool = False) -> str | None:
+        """As _dead_reason, but give a dying main process a moment so its exit code is what we report
+        (a killed server closes its sockets a moment before it can be reaped)."""
+        reason = self._dead_reason()
+        if (connection_failed or (reason or "").startswith("worker")) and self._proc is not None:
+            with suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=1.0)
+            reason = self._dead_reason()
+        return reason
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 64 * 1024))
+                text = f.read().decode(errors="replace")
+        except OSError as e:
+            return f"(cannot read the log: {e})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _error(self, what: str) -> SGLangServerError:
+        return SGLangServerError(
+            f"SGLang server {self.url} (pid {self.pid}) {what}; log: {self.log_path}\n"
+            f"--- last lines of {self.log_path} ---\n{self.log_tail()}"
+        )
+
+    def _kill(self) -> None:
+        """SIGTERM the server's process group, SIGKILL it after the grace period; by PID, never by name."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=self.shutdown_grace_s)
+        for pid, started in self._children:  # workers that left the group or outlived the parent
+            if self._same_process(pid, started):
+                with suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        if self._pg is not None:
+            if self._dead_reason() is None:
+                with suppress(Exception):  # shutting down anyway; the server is killed next
+                    self._post("/destroy_weights_update_group", {"group_name": self._pg_name}, timeout=10)
+            with suppress(Exception):
+                torch.distributed.destroy_process_group(self._pg)
+            self._pg = None
+        self._closed = True
+        self._kill()
+        _LIVE_ENGINES.discard(self)
+
+    # ------------------------------------------------------------------------------------ http
+
+    def _http(self, method: str, path: str, body: Any, timeout: float) -> tuple[int, bytes]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def _call(self, method: str, path: str, body: Any = None, *, timeout: float) -> Any:
+        """One HTTP call with a hard deadline, watching the server's processes while it runs."""
+        if self._closed:
+            raise EngineStateError(f"SGLang engine {self.url} is shut down")
+        result: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                result["response"] = self._http(method, path, body, timeout)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                result["error"] = e
+
+        worker = threading.Thread(target=work, name=f"sglang-http{path}", daemon=True)
+        worker.start()
+        deadline = time.monotonic() + timeout
+        while worker.is_alive():
+            worker.join(min(1.0, max(0.0, deadline - time.monotonic())))
+            if not worker.is_alive():
+                break
+            dead = self._dead_reason_settled()
+            if dead is not None:
+                raise self._error(f"{dead} while serving {method} {path}")
+            if time.monotonic() >= deadline:
+                raise self._error(f"did not answer {method} {path} within {timeout:.0f} s")
+        if "error" in result:
+            dead = self._dead_reason_settled(connection_failed=True)
+            if dead is not None:
+                raise self._error(f"{dead} while serving {method} {path}") from result["error"]
+            err = result["error"]
+            if isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError):
+                raise self._error(f"did not answer {method} {path} within {timeout:.0f} s") from err
+            raise self._error(f"failed {method} {path}: {err!r}") from err
+        status, raw = result["response"]
+        text = raw.decode(errors="replace")
+        if status != 200:
+            raise self._error(f"answered {method} {path} with HTTP {status}: {text[:2000]}")
+        try:
+            return json.loads(text) if text else None
+        except json.JSONDecodeError:
+            return text
+
+    def _post(self, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
+        out = self._call(
+            "POST",
+            path,
+            {} if body is None else body,
+            timeout=self.cfg.request_timeout_s if timeout is None else timeout,
+        )
+        if isinstance(out, dict) and out.get("success") is False:
+            raise self._error(f"refused POST {path}: {out.get('message')}")
+        return out
+
+    # -------------------------------------------------------------------------------- generate
+
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> list[list[Sample]]:
+        check_prompts(prompt_token_ids, n)
+        if self._asleep:
+            raise EngineStateError(f"SGLang engine {self.url} is asleep: call wake() before generate()")
+        if not prompt_token_ids:
+            return []
+        # n copies of each prompt, prompt-major (SGLang's own `n` warms up each prompt sequentially).
+        requests = [list(p) for p in prompt_token_ids for _ in range(n)]
+        params: dict[str, Any] = {
+            "max_new_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "ignore_eos": sampling.ignore_eos,
+        }
+        # SGLang's ignore_eos also ignores stop_token_ids; ours keeps them, so then we cut client-side.
+        cut_at = set(sampling.stop_token_ids) if sampling.ignore_eos else set()
+        if sampling.stop_token_ids and not cut_at:
+            params["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.seed is None:
+            sampling_params: Any = params
+        else:
+            sampling_params = [
+                dict(params, sampling_seed=(sampling.seed + k) % 2**63) for k in range(len(requests))
+            ]
+        self._abort.clear()
+        payload = self._post(
+            "/generate", {"input_ids": requests, "sampling_params": sampling_params, "return_logprob": True}
+        )
+        if self._abort.is_set():
+            raise GenerationAborted(f"generate on {self.url} was aborted")
+        samples = parse_generate_response(payload, requests)
+        if cut_at:
+            samples = [_cut_at_stop(s, cut_at) for s in samples]
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
+
+    def abort(self) -> None:
+        self._abort.set()
+        self._post("/abort_request", {"abort_all": True}, timeout=60)
+
+    def health(self) -> bool:
+        if self._closed or self._dead_reason() is not None:
+            return False
+        try:
+            status, _ = self._http("GET", "/health", None, timeout=10)
+        except Exception:
+            return False
+        return status == 200
+
+    def sleep(self) -> None:
+        if not self._asleep:
+            self._post("/release_memory_occupation", {}, timeout=600)
+            self._asleep = True
+
+    def wake(self) -> None:
+        if self._asleep:
+            self._post("/resume_memory_occupation", {}, timeout=600)
+            self._asleep = False
+
+    # ------------------------------------------------------------------------- weight updates
+
+    def _checked(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in named_tensors:
+            if self._shapes is not None:
+                if name not in self._shapes:
+                    raise KeyError(f"unknown weight {name!r}: not in the checkpoint at {self.model_path}")
+                if tuple(t.shape) != self._shapes[name]:
+                    raise ValueError(
+                        f"weight {name!r} has shape {tuple(t.shape)}, the server's model has "
+                        f"{self._shapes[name]}"
+                    )
+            yield name, t
+
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        transport: Literal["tensor", "distributed", "disk"] | None = None,
+    ) -> None:
+        """Stream HF-named tensors into the server in buckets of `bucket_mb`, then flush its cache.
+
+        `transport` overrides cfg.weight_sync for this call. Sets `last_update` (time, bytes, buckets).
+        """
+        transport = transport or self.cfg.weight_sync
+        if transport not in ("tensor", "distributed", "disk"):
+            raise ValueError(f"unknown weight transport {transport!r} (tensor, distributed, disk)")
+        if self._asleep and self.device == "cuda":
+            raise EngineStateError(f"SGLang engine {self.url} is asleep: wake() it before update_weights()")
+        version = str(next(self._versions))
+        stats = WeightUpdateStats(transport=transport)
+        start = time.perf_counter()
+        buckets = iter_buckets(self._checked(named_tensors), self.bucket_bytes)
+        if transport == "disk":
+            self._send_disk(buckets, version, stats)
+        else:
+            send = self._send_tensor if transport == "tensor" else self._send_distributed
+            if transport == "distributed":
+                self._ensure_group()
+            self._post("/begin_weight_update", {})
+            try:
+                for bucket in buckets:
+                    send(bucket, version)
+                    stats.add(bucket)
+            except BaseException:
+                if self._dead_reason() is None:  # close the session, but report the first error
+                    with suppress(Exception):
+                        self._post("/end_weight_update", {}, timeout=60)
+                raise
+            self._post("/end_weight_update", {}, timeout=600)
+        self._call("POST", "/flush_cache", None, timeout=600)
+        stats.seconds = time.perf_counter() - start
+        self.last_update = stats
+
+    def _send_tensor(self, bucket: list[tuple[str, torch.Tensor]], version: str) -> None:
+        offsets, total = _aligned_layout(bucket)
+        device = bucket[0][1].device
+        if device.type == "cpu":
+            _start_shm_manager_quietly()
+            with _file_system_sharing():
+                flat = torch.empty(total, dtype=torch.uint8).share_memory_()
+        else:
+            flat = torch.empty(total, dtype=torch.uint8, device=device)
+        views = _flat_views(flat, bucket, offsets)
+        payload = serialize_named_tensors(views)
+        tp = self.cfg.tensor_parallel
+        self._post(
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [payload] * tp, "flush_cache": False, "weight_version": version},
+        )
+        del views, flat  # the server has copied them into its parameters
+
+    def _alongside_server(self, path: str, body: Any, local: Any) -> Any:
+        """POST `path` and run `local()` at the same time (both sides of a collective); fail fast.
+
+        The server joins a collective inside the HTTP call and we join it in `local`. If either side
+        fails (or the server dies: `_post` watches it), raise at once instead of waiting for the
+        collective's timeout; the process group is then unusable and is dropped.
+        """
+        box: dict[str, dict[str, Any]] = {}
+
+        def run(key: str, fn: Any) -> None:
+            try:
+                box[key] = {"out": fn()}
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                box[key] = {"error": e}
+
+        for key, fn in (("http", lambda: self._post(path, body)), ("local", local)):
+            threading.Thread(target=run, args=(key, fn), name=f"sglang-{key}{path}", daemon=True).start()
+        while "http" not in box or "local" not in box:
+            for side in box.values():
+                if "error" in side:
+                    self._pg = None
+                    raise side["error"]
+            time.sleep(0.002)
+        for side in box.values():
+            if "error" in side:
+                self._pg = None
+                raise side["error"]
+        return box["local"]["out"]
+
+    def _ensure_group(self) -> None:
+        if self._pg is not None:
+            return
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        port = free_port(self.host)
+        world = 1 + self.cfg.tensor_parallel
+        name = f"{self._group_name}_{next(self._group_ids)}"
+        body = {
+            "master_address": self.host,
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": world,
+            "group_name": name,
+            "backend": backend,
+        }
+        timeout = timedelta(seconds=min(self.cfg.request_timeout_s, 600))
+        self._pg = self._alongside_server(
+            "/init_weights_update_group",
+            body,
+            lambda: _init_custom_process_group(backend, self.host, port, world, 0, name, timeout),
+        )
+        self._pg_name = name
+
+    def _send_distributed(self, bucket: list[tuple[str, torch.Tensor]], version: str) -> None:
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.device == "cuda"
+            else torch.device("cpu")
+        )
+        body: dict[str, Any] = {
+            "names": [n for n, _ in bucket],
+            "dtypes": [_dtype_name(t.dtype) for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "group_name": self._pg_name,
+            "flush_cache": False,
+            "weight_version": version,
+        }
+        # SGLang's flat receive buffer is dense (no padding): one broadcast per bucket when every tensor
+        # starts aligned for its dtype there, else one broadcast per tensor.
+        pos, dense = 0, True
+        for _, t in bucket:
+            dense &= pos % t.element_size() == 0
+            pos += tensor_nbytes(t)
+        if dense:
+            body["load_format"] = "flattened_bucket"
+            tensors = [
+                torch.cat([t.detach().to(device).contiguous().view(-1).view(torch.uint8) for _, t in bucket])
+            ]
+        else:
+            tensors = [t.detach().to(device).contiguous() for _, t in bucket]
+        pg = self._pg
+
+        def broadcast() -> None:
+            for t in tensors:
+                torch.distributed.broadcast(t, src=0, group=pg)
+
+        self._alongside_server("/update_weights_from_distributed", body, broadcast)
+
+    def _send_disk(
+        self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: str, stats: WeightUpdateStats
+    ) -> None:
+        from safetensors.torch import save_file
+
+        folder = Path(tempfile.mkdtemp(prefix="weights-", dir=self.log_path.parent))
+        try:
+            for name in ("config.json", "generation_config.json"):
+                if (Path(self.model_path) / name).exists():
+                    shutil.copy(Path(self.model_path) / name, folder / name)
+            for i, bucket in enumerate(buckets):
+                save_file(
+                    {n: t.detach().to("cpu").contiguous().clone() for n, t in bucket},
+                    str(folder / f"bucket-{i:05d}.safetensors"),
+                )
+                stats.add(bucket)
+            if stats.tensors:
+                self._post(
+                    "/update_weights_from_disk",
+                    {"model_path": str(folder), "flush_cache": False, "weight_version": version},
+                )
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def weight_version(self) -> str | None:
+        """The server's current weight version string (bumped by every update_weights)."""
+        info = self._call("GET", "/model_info", None, timeout=30)
+        return info.get("weight_version") if isinstance(info, dict) else None
+
+
+_LIVE_ENGINES: weakref.WeakSet[SGLangEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_engines() -> None:
+    """Never leave a server running after the trainer exits (it would hold a core and RAM)."""
+    for engine in list(_LIVE_ENGINES):
+        with suppress(Exception):
+            engine.shutdown()
