@@ -191,8 +191,9 @@ class TrainConfig:
     """Rollout steps to run."""
     prompt_batch_size: int = 512
     """Prompts per rollout step after dynamic sampling (paper: 512)."""
-    mini_batch_size: int = 512
-    """Prompts per optimizer update (paper: 512, x16 responses)."""
+    mini_batch_size: int = 32
+    """Prompts per optimizer update, all their G responses included (paper: 512 responses = 32 prompts x 16,
+    so 16 updates per step)."""
     seed: int = 1
     """Seeds data order, sampling and initialisation."""
     deterministic: bool = False

@@ -216,7 +216,8 @@ class RunState:
     def save(self, step: int) -> None:
         state = {"data": self.prompts.state_dict() if self.prompts else None, "alarms": self.alarms.state_dict(),
                  "samples_generated": self.samples_generated, "config": to_dict(self.cfg)}
-        save_checkpoint(self.actor, self.ckpt_root, step, trainer_state=state, keep_last=self.cfg.checkpoint.keep_last)
+        save_checkpoint(self.actor, self.ckpt_root, step, trainer_state=state, keep_last=self.cfg.checkpoint.keep_last,
+                        hf_dir=self.hf_dir)
 
     def finish(self) -> None:
         if self.cfg.checkpoint.export_hf:

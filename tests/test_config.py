@@ -41,14 +41,14 @@ def test_example_configs_exist():
 def test_32b_config_holds_the_papers_hyperparameters():
     cfg = load_config(Path(__file__).resolve().parents[1] / "examples/configs/dapo_qwen2.5_32b.yaml")
     assert cfg.algo.group_size == 16
-    assert cfg.train.prompt_batch_size == 512 and cfg.train.mini_batch_size == 512
+    assert cfg.train.prompt_batch_size == 512 and cfg.train.mini_batch_size * cfg.algo.group_size == 512
     assert cfg.actor.optimizer.lr == 1e-6 and cfg.actor.optimizer.warmup_steps == 20
     assert (cfg.algo.eps_low, cfg.algo.eps_high) == (0.2, 0.28)
     assert cfg.rollout.max_response_len == 20480 and cfg.reward.overlong_cache_len == 4096
     assert cfg.eval.top_p == 0.7 and cfg.eval.n_samples == 32 and cfg.eval.temperature == 1.0
     # 512 prompts x 16 responses per step, mini-batches of 512 prompts: updates per step
     updates = cfg.train.prompt_batch_size // cfg.train.mini_batch_size * cfg.algo.epochs_per_rollout
-    assert updates == 1 and cfg.train.prompt_batch_size * cfg.algo.group_size == 8192
+    assert updates == 16 and cfg.train.prompt_batch_size * cfg.algo.group_size == 8192
     validate(cfg, world_size=128)
 
 

@@ -25,8 +25,31 @@ def hf_dir(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def tied_llama_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                 tie_word_embeddings=True, eos_token_id=199)).save_pretrained(d)
+    return d
+
+
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
 def test_engine_matches_actor_after_sync(hf_dir, tmp_path, python_env, tp, pp):
+    res = run_sync(hf_dir, tmp_path, python_env, tp, pp)
+    assert res["tensors"] == 2 * 12 + 3  # 12 HF tensors per layer (qkv biases), embeddings, norm, lm_head
+
+
+def test_tied_embeddings_across_pipeline_stages(tied_llama_dir, tmp_path, python_env):
+    """PP=2 with tied embeddings: the last stage's copy of the embedding loads, trains and is not exported twice."""
+    res = run_sync(tied_llama_dir, tmp_path, python_env, 1, 2)
+    assert res["tensors"] == 2 * 9 + 2  # no biases, no lm_head
+
+
+def run_sync(hf_dir, tmp_path, python_env, tp, pp):
     out = tmp_path / "out.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp * pp), "--master_port",
            str(free_port()), str(WORKER), str(hf_dir), str(out), str(tp), str(pp)]
@@ -35,6 +58,6 @@ def test_engine_matches_actor_after_sync(hf_dir, tmp_path, python_env, tp, pp):
     assert r.returncode == 0, r.stderr[-5000:]
     res = torch.load(out)
     assert res["mean_abs_diff"] < 1e-5 and res["max_abs_diff"] < 1e-4, res
-    assert res["tensors"] == 2 * 12 + 3  # 12 HF tensors per layer (qkv biases), embeddings, norm, lm_head
     assert res["stale_mean_abs_diff"] > 1e-3  # before the sync the engine really was behind the actor
+    return res
 

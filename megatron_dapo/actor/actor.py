@@ -45,9 +45,9 @@ class Actor:
     """One rank's shard of the policy; every rank of a TP/PP/DP layout builds one."""
 
     def __init__(self, spec: ModelSpec, model_cfg: ModelConfig, par_cfg: ParallelConfig,
-                 actor_cfg: ActorConfig, loss: LossSettings):
+                 actor_cfg: ActorConfig, loss: LossSettings, *, init_weights: bool = True):
         self.spec, self.cfg, self.loss = spec, actor_cfg, loss
-        model = build_model(spec, model_cfg, par_cfg)
+        model = build_model(spec, model_cfg, par_cfg, init_weights=init_weights)
         model.config.finalize_model_grads_func = _finalize_grads_unscaled
         self.ddp = wrap_ddp(model, distributed_optimizer=actor_cfg.optimizer.distributed_optimizer)
         self.bf16 = param_dtype(model_cfg) == torch.bfloat16
@@ -64,7 +64,7 @@ class Actor:
         from megatron_dapo.actor.model import load_hf_config, spec_from_hf
 
         spec = spec_from_hf(load_hf_config(hf_dir))
-        actor = cls(spec, model_cfg, par_cfg, actor_cfg, loss)
+        actor = cls(spec, model_cfg, par_cfg, actor_cfg, loss, init_weights=False)
         load_hf_weights(actor.module, SafetensorsReader(hf_dir), spec)
         return actor
 

@@ -43,8 +43,10 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _sharded_state(actor: Any, is_loading: bool) -> dict:
+def _sharded_state(actor: Any, is_loading: bool, with_optimizer: bool = True) -> dict:
     model_sd = actor.module.sharded_state_dict()
+    if not with_optimizer:
+        return {"model": model_sd}
     return {"model": model_sd,
             "optimizer": actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPT_METADATA)}
 
@@ -63,8 +65,11 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(actor: Any, root: str | Path, step: int, trainer_state: dict | None = None,
-                    keep_last: int = 3) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint path."""
+                    keep_last: int = 3, hf_dir: str | Path | None = None) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint path.
+
+    With `hf_dir`, its config and tokenizer files are copied into `<ckpt>/hf/`, so the checkpoint
+    converts back to Hugging Face format without extra flags."""
     from megatron.core import dist_checkpointing
 
     final = step_dir(root, step)
@@ -80,6 +85,8 @@ def save_checkpoint(actor: Any, root: str | Path, step: int, trainer_state: dict
         state = {"scheduler": actor.scheduler.state_dict(), "updates": actor.updates, "step": step,
                  "trainer": trainer_state or {}}
         torch.save(state, tmp / "trainer_state.pt")
+        if hf_dir is not None:
+            _copy_hf_files(Path(hf_dir), tmp / "hf")
     _barrier()
     if parallel.is_main():
         (tmp / "COMPLETE").write_text(str(step))
@@ -88,6 +95,15 @@ def save_checkpoint(actor: Any, root: str | Path, step: int, trainer_state: dict
         _prune(Path(root), keep_last)
     _barrier()
     return final
+
+
+def _copy_hf_files(src: Path, dst: Path) -> None:
+    from megatron_dapo.actor.hf_io import AUX_FILES
+
+    dst.mkdir(exist_ok=True)
+    for name in AUX_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -103,9 +119,7 @@ def load_checkpoint(actor: Any, path: str | Path, *, load_optimizer: bool = True
     path = Path(path)
     if not (path / "COMPLETE").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
-    sharded = _sharded_state(actor, is_loading=True)
-    if not load_optimizer:
-        sharded.pop("optimizer")
+    sharded = _sharded_state(actor, is_loading=True, with_optimizer=load_optimizer)
     state = dist_checkpointing.load(sharded, str(path))
     actor.module.load_state_dict(state["model"])
     state_file = path / "trainer_state.pt"

@@ -119,6 +119,8 @@ def export_hf_weights(model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtyp
     _, tp_size = _tp()
     params = dict(model.named_parameters())
     for rule in _rules_for(model, spec):
+        if not rule.exported:
+            continue
         param = params[rule.megatron_name]
         local = (param.main_grad if grads else param).detach()
         shards = _gather_tp(local, tp_size) if rule.kind != "replicated" else [local]
@@ -154,7 +156,7 @@ def hf_weight_stream(module: torch.nn.Module, spec: ModelSpec, dtype: torch.dtyp
                 yield name, t
         else:
             for rule in stage_rules(spec, stage, pp_size):
-                for name in rule.hf_names:
+                for name in rule.hf_names if rule.exported else ():
                     t = torch.empty(expected_hf_shape(name, spec), dtype=dtype, device=parallel.device())
                     dist.broadcast(t, ranks[stage], group=parallel.pp_group())
                     yield name, t

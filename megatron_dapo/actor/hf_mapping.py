@@ -27,6 +27,8 @@ class TensorRule:
     megatron_name: str
     hf_names: tuple[str, ...]
     kind: Kind
+    exported: bool = True
+    """False for a copy that HF does not store (tied lm_head on a later pipeline stage)."""
 
 
 def layer_range(spec: ModelSpec, pp_rank: int, pp_size: int) -> range:
@@ -46,6 +48,8 @@ def stage_rules(spec: ModelSpec, pp_rank: int = 0, pp_size: int = 1, *, te: bool
         rules.append(TensorRule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
         if not spec.tied_embeddings:
             rules.append(TensorRule("output_layer.weight", ("lm_head.weight",), "vocab"))
+        elif not first:  # Megatron keeps a tied copy of the embeddings on the last stage
+            rules.append(TensorRule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", exported=False))
     return rules
 
 
@@ -70,7 +74,7 @@ def _layer_rules(spec: ModelSpec, m: str, h: str, te: bool) -> list[TensorRule]:
 
 def hf_names(spec: ModelSpec) -> list[str]:
     """All HF tensor names of the model, in stage order."""
-    return [n for r in stage_rules(spec) for n in r.hf_names]
+    return [n for r in stage_rules(spec) if r.exported for n in r.hf_names]
 
 
 def expected_hf_shape(name: str, spec: ModelSpec) -> tuple[int, ...]:

@@ -128,7 +128,8 @@ def use_transformer_engine(cfg: ModelConfig) -> bool:
     return available
 
 
-def transformer_config(spec: ModelSpec, model_cfg: ModelConfig, par: ParallelConfig) -> Any:
+def transformer_config(spec: ModelSpec, model_cfg: ModelConfig, par: ParallelConfig, *,
+                       init_weights: bool = True) -> Any:
     from megatron.core.transformer import TransformerConfig
 
     dtype = param_dtype(model_cfg)
@@ -151,6 +152,7 @@ def transformer_config(spec: ModelSpec, model_cfg: ModelConfig, par: ParallelCon
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
         # our loss is normalised by the global token count: Megatron must not rescale it
         calculate_per_token_loss=True,
+        perform_initialization=init_weights,
         **recompute[model_cfg.recompute])
 
 
@@ -162,13 +164,15 @@ def layer_spec(model_cfg: ModelConfig) -> Any:
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
-def build_model(spec: ModelSpec, model_cfg: ModelConfig, par: ParallelConfig) -> Any:
-    """The GPTModel chunk of this pipeline stage (parallel state must be initialised)."""
+def build_model(spec: ModelSpec, model_cfg: ModelConfig, par: ParallelConfig, *, init_weights: bool = True) -> Any:
+    """The GPTModel chunk of this pipeline stage (parallel state must be initialised).
+
+    init_weights=False skips the random initialisation (weights are about to be loaded)."""
     from megatron.core.models.gpt import GPTModel
 
     validate_layout(spec, par.tensor_parallel, par.pipeline_parallel)
     model = GPTModel(
-        config=transformer_config(spec, model_cfg, par), transformer_layer_spec=layer_spec(model_cfg),
+        config=transformer_config(spec, model_cfg, par, init_weights=init_weights), transformer_layer_spec=layer_spec(model_cfg),
         vocab_size=spec.padded_vocab_size(par.tensor_parallel),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel.is_first_stage(), post_process=parallel.is_last_stage(),

@@ -1,0 +1,150 @@
+"""The dry-run planner (megatron_dapo.plan): its arithmetic against hand-computed numbers for
+Qwen2.5-32B, the fit / refuse verdicts, and the CLI's exit codes. Fast: no torch.distributed, no GPU."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo import plan as P
+from megatron_dapo.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+CFG_32B = REPO / "examples/configs/dapo_qwen2.5_32b.yaml"
+GIB = 2**30
+
+# Qwen2.5-32B by hand (public config.json): h=5120, ffn=27648, 64 layers, 40 heads x 128, 8 KV heads,
+# vocab 152064 (Megatron pads it to a multiple of 128*TP: 152576 at TP=8), untied embeddings.
+H, FFN, L, KVD, V, V_PAD8 = 5120, 27648, 64, 8 * 128, 152064, 152576
+LAYER_SHARDED = H * (H + 2 * KVD) + (H + 2 * KVD) + H * H + 3 * H * FFN  # QKV (+bias), out proj, SwiGLU
+LAYER_REPL = 2 * H  # two RMSNorms
+PARAMS_32B = L * (LAYER_SHARDED + LAYER_REPL) + 2 * V * H + H  # + embedding, lm head, final norm
+PARAMS_PER_GPU_TP8 = L * (LAYER_SHARDED // 8 + LAYER_REPL) + 2 * (V_PAD8 * H // 8) + H
+
+
+def plan_for(nodes, gpus=8, overrides=(), mem=80.0, **kw):
+    cfg = load_config(CFG_32B, list(overrides))
+    spec, source = P.resolve_model(cfg)
+    return P.make_plan(cfg, spec, P.Hardware(nodes, gpus, mem), model_source=source, **kw)
+
+
+@pytest.fixture(scope="module")
+def plan16():
+    return plan_for(16)
+
+
+def test_parameter_counts_match_hand_computation(plan16):
+    assert PARAMS_32B == 32_763_876_352  # = the 65.5 GB of bf16 safetensors of Qwen/Qwen2.5-32B
+    assert plan16.model["params"] == PARAMS_32B
+    assert PARAMS_PER_GPU_TP8 == 4_096_717_824
+    assert plan16.memory["train_phase"]["params"] == PARAMS_PER_GPU_TP8
+    # ~ params / (TP x PP); the difference is the vocab padding and the TP-replicated norms
+    assert PARAMS_PER_GPU_TP8 == pytest.approx(PARAMS_32B / 8, rel=1e-3)
+
+
+def test_actor_memory_per_gpu_16x8(plan16):
+    tr = plan16.memory["train_phase"]
+    assert plan16.layout == {**plan16.layout, "tp": 8, "pp": 1, "dp": 16}
+    assert tr["weights"] == 2 * PARAMS_PER_GPU_TP8  # bf16
+    assert tr["weights"] == pytest.approx(2 * PARAMS_32B / (8 * 1), rel=1e-3)
+    assert tr["main_grads"] == 4 * PARAMS_PER_GPU_TP8  # fp32 grad buffer, full size
+    assert tr["optimizer"] == 12 * PARAMS_PER_GPU_TP8 / 16  # master + Adam m, v sharded over DP=16
+    # activations, full recompute, sequence parallel, T = 24576 tokens (micro_batch_tokens >= 2048+20480):
+    t, a = 24576, 2
+    kept_inputs = L * 1 * a * t * H / 8
+    one_layer = a * t * ((2 * H + 2 * KVD + 3 * FFN) / 8 + 4 * H / 8)
+    logits_and_grad = t * V_PAD8 / 8 * a * 2
+    assert one_layer == 710_934_528
+    assert tr["activations_train"] == pytest.approx(kept_inputs + 2 * one_layer + logits_and_grad)
+    assert tr["activations"] == tr["activations_train"]  # the logprob pass (forward only) needs less
+    assert tr["total"] == pytest.approx(tr["weights"] + tr["main_grads"] + tr["optimizer"]
+                                        + tr["activations"] + 4 * GIB)
+    assert 30 * GIB < tr["total"] < 40 * GIB
+
+
+def test_rollout_kv_cache_16x8(plan16):
+    ro = plan16.memory["rollout_phase"]
+    assert ro["engines"] == 128 // 4 and ro["engines_per_node"] == 2
+    assert ro["kv_bytes_per_token_engine"] == 2 * L * 8 * 128 * 2 == 262_144
+    assert ro["kv_bytes_per_token_gpu"] == 2 * L * (8 // 4) * 128 * 2 == 65_536
+    assert ro["weights"] == 2 * PARAMS_32B / 4
+    pool = 0.6 * 80 * GIB - 2 * PARAMS_32B / 4
+    assert ro["kv_pool"] == pytest.approx(pool)
+    assert ro["kv_pool_tokens_per_engine"] == int(pool // 65_536)
+    assert ro["worst_case_sequences_in_flight"] == int(pool // 65_536) // (2048 + 20480)
+    assert ro["sequences_per_round_per_engine"] == 3 * 512 * 16 // 32
+    assert ro["actor_resident"] == 0 and ro["total"] == pytest.approx((0.6 * 80 + 4) * GIB)
+
+
+def test_tokens_and_updates_per_step(plan16):
+    tok = plan16.tokens
+    assert tok["trained_tokens_per_step_max"] == 512 * 16 * (2048 + 20480) == 184_549_376
+    assert tok["trained_tokens_per_dp_rank_max"] == 184_549_376 // 16
+    assert tok["generated_sequences_per_round"] == 1536 * 16
+    assert tok["generated_tokens_per_round_max"] == 1536 * 16 * 20480
+    assert tok["max_generation_rounds"] == 10
+    assert tok["updates_per_step"] == 16  # mini-batch 32 prompts x 16 = 512 responses, as the paper
+    assert plan_for(16, overrides=["train.mini_batch_size=512"]).tokens["updates_per_step"] == 1
+
+
+def test_32b_fits_on_16_nodes_not_on_one(plan16):
+    assert plan16.fits, plan16.problems
+    one = plan_for(1)
+    assert not one.fits
+    assert any("train phase needs" in p and "optimizer" in p for p in one.problems), one.problems
+    assert one.memory["train_phase"]["optimizer"] == 12 * PARAMS_PER_GPU_TP8  # DP=1: nothing to shard
+    assert plan_for(1, mem=141.0).fits  # one H200 node holds the actor
+
+
+@pytest.mark.parametrize("overrides, nodes, reason", [
+    (["parallel.pipeline_parallel=3"], 16, "does not divide world size"),
+    (["parallel.pipeline_parallel=3"], 3, "num_hidden_layers=64 is not divisible by pipeline_parallel=3"),
+    (["parallel.tensor_parallel=16"], 16, "num_attention_heads=40 is not divisible by tensor_parallel=16"),
+    (["train.mini_batch_size=8"], 16, "must divide by DP=16"),
+    (["rollout.sglang.tensor_parallel=3"], 3, "must divide gpus_per_node=8"),
+    (["rollout.sglang.mem_fraction_static=0.15"], 16, "do not fit in mem_fraction_static"),
+    (["rollout.sglang.mem_fraction_static=0.2"], 16, "cannot hold one worst-case sequence"),
+    (["actor.offload_when_idle=false"], 16, "rollout phase needs"),
+    (["actor.optimizer.distributed_optimizer=false"], 16, "train phase needs"),
+])
+def test_refusals_name_the_reason(overrides, nodes, reason):
+    p = plan_for(nodes, overrides=overrides)
+    assert not p.fits
+    assert any(reason in msg for msg in p.problems), p.problems
+
+
+def test_rollout_concurrency_check(plan16):
+    fits = plan16.memory["rollout_phase"]["worst_case_sequences_in_flight"]
+    assert plan_for(16, rollout_concurrency=fits).fits
+    p = plan_for(16, rollout_concurrency=fits + 1)
+    assert not p.fits and any("--rollout-concurrency" in m for m in p.problems)
+
+
+def test_model_sources(tmp_path):
+    cfg = load_config(CFG_32B, ["model.hf_dir=/nowhere/Qwen2.5-7B-Instruct"])
+    spec, source = P.resolve_model(cfg)
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads) == (28, 3584, 28) and "built-in" in source
+    p = P.make_plan(cfg, spec, P.Hardware(16, 8))  # TP=8 does not split 28 heads
+    assert any("num_attention_heads=28" in m for m in p.problems)
+    (tmp_path / "config.json").write_text(json.dumps(P.KNOWN_MODELS["Qwen2.5-1.5B"]))
+    spec, source = P.resolve_model(load_config(CFG_32B, [f"model.hf_dir={tmp_path}"]))
+    assert spec.tied_embeddings and source == str(tmp_path / "config.json")
+    spec, _ = P.resolve_model(cfg, model_config=tmp_path)  # --model-config wins
+    assert spec.hidden_size == 1536
+    with pytest.raises(P.PlanInputError, match="--model-config"):
+        P.resolve_model(load_config(CFG_32B, ["model.hf_dir=/nowhere/MyModel"]))
+
+
+def test_cli_exit_codes_and_json(capsys, tmp_path):
+    base = ["--config", str(CFG_32B), "--gpus-per-node", "8"]
+    assert P.main(base + ["--nodes", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "TP=8 x PP=1 x DP=16" in out and "verdict: FITS" in out and "32 engines x TP=4" in out
+    assert P.main(base + ["--nodes", "1", "--json"]) == 1
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert data["fits"] is False and data["layout"]["dp"] == 1 and "REFUSED" in captured.err
+    assert P.main(base + ["--nodes", "16", "algo.eps_hgh=0.3"]) == 2  # config error
+    assert "eps_high" in capsys.readouterr().err
+    assert P.main(base + ["--nodes", "16", "model.hf_dir=/nowhere/MyModel"]) == 2
+    assert P.main(base + ["--nodes", "0"]) == 2

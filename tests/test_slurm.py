@@ -1,0 +1,252 @@
+"""The Slurm launcher (examples/launch_common.sh, run_dapo_32b.sh, run_dapo_tiny.sh).
+
+Default tier (no Slurm needed): the scripts parse; the 32B script's DRY_RUN mode prints the sbatch /
+srun commands and runs the planner and the trainer's --dry-run; a layout the planner refuses is never
+submitted (a stub `sbatch` records calls); the tiny script runs locally by default and, inside an
+allocation, validates with 2 ranks.
+
+`-m slurm` (a real local Slurm: `bash tools/slurm_local.sh up`, or .ci/slurm_tier.sh): the tiny job
+goes through sbatch with 2 tasks (2 ranks, gloo); the test polls `squeue` every second and checks the
+exit code (`scontrol show job`), the log and the TensorBoard events; a second job whose trainer
+exits 2 is reported FAILED with exit code 2.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = ["examples/run_dapo_32b.sh", "examples/run_dapo_tiny.sh", "examples/launch_common.sh",
+           "tools/slurm_local.sh", ".ci/slurm_tier.sh"]
+FAST = ["train.steps=2", "eval.every_steps=0", "train.prompt_batch_size=8", "train.mini_batch_size=4",
+        "algo.group_size=4", "algo.dynamic_sampling=false", "checkpoint.export_hf=false"]
+
+
+def script_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PYTHON=sys.executable, PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}",
+               OMP_NUM_THREADS="1")
+    env.update(extra)
+    return env
+
+
+def bash(script, *args, env=None, timeout=300, cwd=REPO):
+    return subprocess.run(["bash", str(REPO / script), *args], capture_output=True, text=True,
+                          env=env or script_env(), timeout=timeout, cwd=cwd)
+
+
+# ------------------------------------------------------------------------------- default tier
+
+
+@pytest.mark.parametrize("path", SCRIPTS)
+def test_scripts_parse(path):
+    assert (REPO / path).is_file(), path
+    r = subprocess.run(["bash", "-n", str(REPO / path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_32b_dry_run_prints_commands_and_plans(tmp_path):
+    r = bash("examples/run_dapo_32b.sh", env=script_env(DRY_RUN="1"), cwd=tmp_path)  # from anywhere
+    out = r.stdout
+    assert r.returncode == 0, out[-3000:] + r.stderr[-3000:]
+    sbatch = next(line for line in out.splitlines() if line.strip().startswith("sbatch "))
+    for flag in ("--parsable", "--nodes=16", "--ntasks-per-node=8", "--gpus-per-node=8", "--requeue",
+                 "--job-name=dapo-qwen2.5-32b", "--time=48:00:00", "examples/run_dapo_32b.sh"):
+        assert flag in sbatch, (flag, sbatch)
+    srun = next(ln for ln in out.splitlines() if "megatron_dapo.train --config" in ln and "srun" in ln)
+    for part in ("--kill-on-bad-exit=1", "--ntasks=128", "--gpus-per-node=8", "parallel.tensor_parallel=8",
+                 "rollout.engine=sglang", "rollout.sglang.tensor_parallel=4", "checkpoint.resume=auto",
+                 "train.mini_batch_size=32", "model.load=checkpoints/Qwen2.5-32B-megatron",
+                 "algo.eps_high=0.28"):
+        assert part in srun, (part, srun)
+    assert "tools/convert_hf_to_megatron.py --hf-dir models/Qwen2.5-32B" in out
+    assert "MASTER_ADDR=$(scontrol show hostnames" in out and "CUDA_DEVICE_MAX_CONNECTIONS=1" in out
+    assert "TP=8 x PP=1 x DP=16" in out and "verdict: FITS" in out  # the planner ran
+    assert "--world-size 128 --dry-run" in out and "tensor_parallel: 8" in out  # the trainer's check ran
+    assert "mini_batch_size: 32" in out
+
+
+def test_32b_dry_run_flags_override_the_header():
+    r = bash("examples/run_dapo_32b.sh", "--nodes", "2", "--time=1:00:00", "--dry-run",
+             "algo.eps_high=0.3", env=script_env(GPU_MEM_GB="141", PARTITION="gpu"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "--nodes=2 " in r.stdout and "--time=1:00:00" in r.stdout and "--partition=gpu" in r.stdout
+    assert "--ntasks=16" in r.stdout and "algo.eps_high=0.3" in r.stdout and "verdict: FITS" in r.stdout
+
+
+@pytest.fixture
+def stub_sbatch(tmp_path):
+    """A fake `sbatch` first on PATH that records its arguments and answers a job id."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    calls = tmp_path / "sbatch_calls"
+    (bindir / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho 4242\n')
+    (bindir / "sbatch").chmod(0o755)
+    ckpt = tmp_path / "megatron_ckpt"  # a "converted" checkpoint, so the weights check passes
+    ckpt.mkdir()
+    (ckpt / "COMPLETE").write_text("0")
+    env = script_env(PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}", MEGATRON_CKPT=str(ckpt),
+                     LOG_DIR=str(tmp_path / "logs"))
+    return env, calls
+
+
+def test_32b_refused_layout_is_not_submitted(stub_sbatch):
+    env, calls = stub_sbatch
+    r = bash("examples/run_dapo_32b.sh", env={**env, "NODES": "1"})
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "verdict: REFUSED" in r.stdout and "not submitted" in r.stdout
+    assert not calls.exists()
+
+
+def test_32b_submits_itself(stub_sbatch):
+    env, calls = stub_sbatch
+    r = bash("examples/run_dapo_32b.sh", "train.steps=3", env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "4242"
+    assert "submitted job 4242" in r.stdout
+    args = calls.read_text()
+    assert "--parsable" in args and "--nodes=16" in args and "run_dapo_32b.sh train.steps=3" in args
+    assert (Path(env["LOG_DIR"])).is_dir()  # Slurm does not create the log folder itself
+
+
+def test_32b_without_weights_is_not_submitted(stub_sbatch):
+    env, calls = stub_sbatch
+    r = bash("examples/run_dapo_32b.sh", env={**env, "MEGATRON_CKPT": "/nowhere", "HF_DIR": "/nowhere/hf"})
+    assert r.returncode == 2 and "Qwen/Qwen2.5-32B" in r.stderr
+    assert not calls.exists()
+
+
+def test_tiny_runs_locally_by_default_and_passes_status():
+    r = bash("examples/run_dapo_tiny.sh", "algo.eps_hgh=0.3")  # config error: exit 2, nothing built
+    assert r.returncode == 2 and "eps_high" in r.stderr
+
+
+def test_tiny_inside_an_allocation_uses_srun_with_two_ranks():
+    env = script_env(SLURM_JOB_ID="77", SLURM_NTASKS="2", SLURM_JOB_NUM_NODES="1", DRY_RUN="1")
+    r = bash("examples/run_dapo_tiny.sh", *FAST, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "srun --kill-on-bad-exit=1 --label --nodes=1 --ntasks-per-node=2 --ntasks=2" in r.stdout
+    assert "parallel.backend=gloo" in r.stdout and "train.steps=2" in r.stdout
+    assert "--world-size 2 --dry-run" in r.stdout  # validated with DP=2
+
+
+# --------------------------------------------------------------------------------- slurm tier
+
+
+def _slurm_or_skip():
+    why = None
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        why = "sinfo/sbatch not found: bring a local Slurm up with `bash tools/slurm_local.sh up`"
+    else:
+        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+        states = r.stdout.split()
+        if r.returncode != 0:
+            why = f"Slurm is not reachable (sinfo: {r.stderr.strip()[:200]})"
+        elif not any(s.rstrip("*~#") in ("idle", "mixed", "allocated", "completing") for s in states):
+            why = f"no usable Slurm node (sinfo states: {states})"
+    if why:
+        if os.environ.get("DAPO_REQUIRE_SLURM") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+def wait_for(jobs: list[str], timeout: float = 900) -> dict[str, dict]:
+    """Poll `squeue -j` every second until every job has left the queue; then scontrol's view."""
+    deadline, pending = time.monotonic() + timeout, set(jobs)
+    while pending:
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", *pending])
+            pytest.fail(f"jobs {sorted(pending)} still queued after {timeout:.0f} s")
+        for job in list(pending):
+            r = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True)
+            state = r.stdout.strip()
+            if r.returncode != 0 or not state or state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
+                                                            "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL"):
+                pending.discard(job)
+        if pending:
+            time.sleep(1)
+    return {job: job_info(job) for job in jobs}
+
+
+def job_info(job: str) -> dict:
+    text = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    state = re.search(r"JobState=(\w+)", text)
+    code = re.search(r"ExitCode=(\d+):(\d+)", text)
+    return {"state": state and state.group(1), "exit": code and int(code.group(1)),
+            "signal": code and int(code.group(2)), "text": text}
+
+
+@pytest.fixture(scope="module")
+def slurm_jobs(tmp_path_factory):
+    """Submit a good and a failing tiny job at once (Slurm runs them one after the other); wait."""
+    _slurm_or_skip()
+    tmp = tmp_path_factory.mktemp("slurm")
+    base = REPO / "checkpoints" / "tiny_base"
+    if not (base / "base_info.json").is_file():  # CI's first command builds it; else a quick one
+        sys.path.insert(0, str(REPO / "tools"))
+        from make_tiny_base import ensure_tiny_base
+
+        base = ensure_tiny_base(tmp / "tiny_base", seconds=5)
+    t0 = time.monotonic()
+    # 1. the users' path: the script submits itself (sbatch --parsable) and prints the job id
+    good = bash("examples/run_dapo_tiny.sh", "--output", str(tmp / "%x-%j.out"), f"model.hf_dir={base}",
+                f"checkpoint.dir={tmp / 'ckpt'}", f"logging.tensorboard_dir={tmp / 'tb'}",
+                "logging.run_name=slurm_tiny", *FAST, env=script_env(LAUNCH="slurm"), timeout=120)
+    assert good.returncode == 0, good.stdout + good.stderr
+    good_id = good.stdout.strip().splitlines()[-1]
+    # 2. sbatch on the script itself (its #SBATCH header: 2 tasks); the trainer exits 2 on both ranks
+    bad = subprocess.run(["sbatch", "--parsable", f"--output={tmp / 'bad-%j.out'}",
+                          "examples/run_dapo_tiny.sh", "model.hf_dir=/nonexistent/tiny_base",
+                          f"checkpoint.dir={tmp / 'ckpt'}", f"logging.tensorboard_dir={tmp / 'tb'}",
+                          "logging.run_name=slurm_bad", *FAST],
+                         capture_output=True, text=True, cwd=REPO, env=script_env(), timeout=120)
+    assert bad.returncode == 0, bad.stderr
+    bad_id = bad.stdout.strip().split(";")[0]
+    info = wait_for([good_id, bad_id])
+    run_times = {j: re.search(r"RunTime=(\S+)", info[j]["text"]) for j in (good_id, bad_id)}
+    print(f"slurm jobs {good_id} (ok) + {bad_id} (fails) done in {time.monotonic() - t0:.1f} s; "
+          + ", ".join(f"job {j} RunTime {m.group(1) if m else '?'}" for j, m in run_times.items()))
+    return {"tmp": tmp, "good": (good_id, info[good_id]), "bad": (bad_id, info[bad_id]),
+            "submit": good.stdout}
+
+
+@pytest.mark.slurm
+def test_tiny_job_through_slurm_succeeds(slurm_jobs):
+    tmp = slurm_jobs["tmp"]
+    job, info = slurm_jobs["good"]
+    log_path = tmp / f"dapo-tiny-{job}.out"
+    log = log_path.read_text() if log_path.is_file() else "(no log)"
+    assert info["state"] == "COMPLETED" and info["exit"] == 0, info["text"] + log[-4000:]
+    assert f"submitted job {job}" in slurm_jobs["submit"]
+    assert "NumTasks=2" in info["text"]
+    assert "1 node(s) x 2 tasks" in log and "MASTER_ADDR=" in log and "MASTER_PORT=" in log
+    assert "srun --kill-on-bad-exit=1" in log and "[launch] trainer exited with status 0" in log
+    assert re.search(r"^0: .*dapo", log, re.M), log[-3000:]  # rank-labelled trainer output
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = sorted((tmp / "tb" / "slurm_tiny").glob("events.out.tfevents.*"))
+    assert events, f"no TensorBoard events in {tmp / 'tb' / 'slurm_tiny'}"
+    steps: dict[str, set[int]] = {}
+    for f in events:
+        ea = EventAccumulator(str(f))
+        ea.Reload()
+        for tag in ea.Tags()["scalars"]:
+            steps.setdefault(tag, set()).update(e.step for e in ea.Scalars(tag))
+    for tag in ("train/reward_mean", "response_length/mean", "timing/step_s"):
+        assert steps.get(tag) == {1, 2}, (tag, steps.get(tag))
+
+
+@pytest.mark.slurm
+def test_failing_job_is_reported_failed(slurm_jobs):
+    tmp = slurm_jobs["tmp"]
+    job, info = slurm_jobs["bad"]
+    log = (tmp / f"bad-{job}.out").read_text()
+    assert info["state"] == "FAILED" and info["exit"] == 2, info["text"] + log[-3000:]
+    assert "has no config.json" in log and "[launch] trainer exited with status 2" in log
