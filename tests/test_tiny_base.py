@@ -1,0 +1,200 @@
+"""Prompt rendering / response decoding (megatron_dapo.data.render) and the tiny base builder
+(tools/make_tiny_base.py): a few-step build into tmp_path that loads back as a Hugging Face model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_dapo.data.arithmetic import arithmetic_target, make_arithmetic_prompts
+from megatron_dapo.data.render import _as_int_list, decode_response, has_chat_template, render_prompt_ids
+from megatron_dapo.types import Prompt
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `tools` is a namespace package at the repository root
+
+import tools.make_tiny_base as mtb  # noqa: E402
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer():
+    return mtb.build_char_tokenizer()
+
+
+def _prompt(*contents: str) -> Prompt:
+    roles = ["system", "user"][-len(contents):]
+    return Prompt(uid="t/0", messages=tuple({"role": r, "content": c} for r, c in zip(roles, contents)),
+                  ground_truth="0")
+
+
+# ------------------------------------------------------------------------------------------- tokenizer
+
+
+def test_char_tokenizer_round_trips_task_text(char_tokenizer):
+    tok = char_tokenizer
+    assert tok.chat_template is None and not has_chat_template(tok)
+    assert (tok.pad_token, tok.eos_token) == ("<pad>", "<eos>")
+    assert tok.pad_token_id != tok.eos_token_id
+    for prompt in make_arithmetic_prompts(50, seed=3):
+        text = prompt.messages[0]["content"] + arithmetic_target(prompt)
+        ids = tok.encode(text, add_special_tokens=False)
+        assert tok.unk_token_id not in ids
+        assert tok.decode(ids) == text
+    # one token per character, "Answer:" as one token; no BOS/EOS added by encode
+    assert len(tok.encode("12+7=", add_special_tokens=True)) == 5
+    assert len(tok.encode("Answer: -82", add_special_tokens=False)) == 5
+    assert tok.encode("é", add_special_tokens=False) == [tok.unk_token_id]
+
+
+# -------------------------------------------------------------------------------------------- render
+
+
+def test_render_without_chat_template_joins_contents(char_tokenizer):
+    tok = char_tokenizer
+    ids = render_prompt_ids(tok, _prompt("Be brief. ", "37+45="))
+    assert ids == tok.encode("Be brief. 37+45=", add_special_tokens=False)
+    assert all(type(i) is int for i in ids)
+    assert tok.eos_token_id not in ids and tok.pad_token_id not in ids
+
+
+def test_render_with_chat_template(char_tokenizer):
+    tok = mtb.build_char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    assert has_chat_template(tok) and not has_chat_template(char_tokenizer)
+    ids = render_prompt_ids(tok, _prompt("sys", "1+2="))
+    assert isinstance(ids, list) and all(type(i) is int for i in ids)
+    assert tok.decode(ids) == "<system>sys\n<user>1+2=\n<assistant>"
+
+
+class _DictTemplateTokenizer:
+    """Stands in for tokenizers whose apply_chat_template returns a mapping or a tensor batch."""
+
+    chat_template = "x"
+
+    def __init__(self, result):
+        self.result = result
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt and tokenize and isinstance(messages, list)
+        return self.result
+
+
+@pytest.mark.parametrize(
+    "result",
+    [{"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1]}, torch.tensor([[5, 6, 7]]), (5, 6, 7),
+     {"input_ids": torch.tensor([5, 6, 7])}],
+)
+def test_render_normalises_chat_template_results(result):
+    assert render_prompt_ids(_DictTemplateTokenizer(result), _prompt("1+2=")) == [5, 6, 7]
+
+
+def test_as_int_list_rejects_a_real_batch():
+    with pytest.raises(ValueError):
+        _as_int_list([[1, 2], [3, 4]])
+
+
+def test_decode_response_skips_special_tokens(char_tokenizer):
+    tok = char_tokenizer
+    ids = tok.encode("Answer: 82", add_special_tokens=False) + [tok.eos_token_id, tok.pad_token_id]
+    assert decode_response(tok, ids) == "Answer: 82"
+    assert decode_response(tok, torch.tensor(ids)) == "Answer: 82"
+    assert decode_response(tok, []) == ""
+
+
+def test_training_examples_mask_the_prompt(char_tokenizer):
+    tok = char_tokenizer
+    prompts = make_arithmetic_prompts(3, seed=0)
+    examples = mtb.make_examples(tok, prompts)
+    input_ids, labels = mtb.collate(examples, tok.pad_token_id)
+    for row, (prompt, (ids, n_prompt)) in enumerate(zip(prompts, examples)):
+        assert ids[:n_prompt] == render_prompt_ids(tok, prompt)
+        assert ids[-1] == tok.eos_token_id
+        target = labels[row][labels[row] != -100].tolist()
+        assert target == ids[n_prompt:]
+        assert tok.decode(target, skip_special_tokens=True) == arithmetic_target(prompt)
+
+
+# --------------------------------------------------------------------------------------------- build
+
+
+def test_short_build_loads_and_refuses_overwrite(tmp_path, python_env, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    out = tmp_path / "tiny_base"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "make_tiny_base.py"), "--out", str(out), "--seconds", "5",
+         "--steps", "20", "--seed", "3"],
+        capture_output=True, text=True, env=python_env, cwd=tmp_path, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "greedy accuracy" in proc.stdout and "sampled" in proc.stdout
+
+    info = json.loads((out / "base_info.json").read_text())
+    for key in ("params", "train_seconds", "steps", "greedy_acc", "sampled_acc", "seed"):
+        assert key in info, key
+    assert info["seed"] == 3 and 1 <= info["steps"] <= 20
+    assert 0.0 <= info["greedy_acc"] <= 1.0 and 0.0 <= info["sampled_acc"] <= 1.0
+    assert (out / "model.safetensors").is_file()
+    files = {p.name for p in out.iterdir()}
+    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= files
+    assert {"config.json", "generation_config.json"} <= files
+    assert not list(tmp_path.glob(".tiny_base*tmp*")), "staging folder left behind"
+
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert not has_chat_template(tok)
+    assert tok.eos_token == "<eos>" and tok.pad_token == "<pad>"
+    assert model.config.model_type == "qwen2" and not model.config.tie_word_embeddings
+    assert model.config.vocab_size == len(tok) and model.dtype == torch.float32
+    assert sum(p.numel() for p in model.parameters()) == info["params"]
+    gen = GenerationConfig.from_pretrained(out)
+    assert (gen.eos_token_id, gen.pad_token_id) == (tok.eos_token_id, tok.pad_token_id)
+    assert (model.config.eos_token_id, model.config.pad_token_id) == (tok.eos_token_id, tok.pad_token_id)
+    ids = render_prompt_ids(tok, make_arithmetic_prompts(1, seed=0)[0])
+    logits = model(input_ids=torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), len(tok)) and torch.isfinite(logits).all()
+
+    # a non-empty --out is refused without --force (exit 2, nothing touched); ensure_* does not rebuild
+    before = (out / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert mtb.main(["--out", str(out), "--seconds", "1", "--steps", "1"]) == mtb.EXIT_REFUSED
+    assert "--force" in capsys.readouterr().err
+    assert mtb.ensure_tiny_base(str(out)) == out
+    assert (out / "model.safetensors").read_bytes() == before
+
+
+def test_refuses_foreign_nonempty_out(tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert mtb.main(["--out", str(out), "--steps", "1"]) == mtb.EXIT_REFUSED
+    assert "--force" in capsys.readouterr().err
+    with pytest.raises(mtb.OutputExistsError):
+        mtb.ensure_tiny_base(out)  # no base_info.json, but not ours: never deleted
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_force_replaces_out(tmp_path, monkeypatch):
+    """--force swaps in the new build (training and evaluation stubbed out: this checks the file handling)."""
+    monkeypatch.setattr(mtb, "train", lambda *a, **k: mtb.TrainResult(0, 0.0, 0.0, False))
+    stub_eval = {"greedy_acc": 0.0, "sampled_acc": 0.0, "examples": []}
+    monkeypatch.setattr(mtb, "evaluate", lambda *a, **k: stub_eval)
+    out = tmp_path / "tb"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    with pytest.raises(mtb.OutputExistsError):
+        mtb.build_tiny_base(out, mtb.Settings(seed=1), progress=False)
+    info = mtb.build_tiny_base(out, mtb.Settings(seed=1), force=True, progress=False)
+    assert info["seed"] == 1 and not (out / "stale.txt").exists()
+    assert json.loads((out / "base_info.json").read_text())["params"] == info["params"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".tb.lock")) == ["tb"]
