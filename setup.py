@@ -29,7 +29,8 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout"],
+        # triton: the kernel tests run the Triton kernels in its CPU interpreter
+        "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "triton>=3.1"],
         "triton": ["triton>=3.1"],
         # CUDA only; they pin their own torch/CUDA stacks. Never install PyPI's `apex` (unrelated).
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5"],

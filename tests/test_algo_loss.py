@@ -186,3 +186,9 @@ def test_two_rank_gloo_data_parallel_matches_full_batch():
             for p in ctx.processes:
                 p.kill()
             pytest.fail("2-process gloo test timed out")
+
+
+def test_empty_batch_gives_zero_loss_and_metrics():
+    empty = torch.zeros(0, 3)
+    loss, m = policy_loss(empty, empty, torch.zeros(0), empty)
+    assert loss.item() == 0.0 and m.num_tokens.item() == 0 and m.ratio_max.item() == 0

@@ -161,7 +161,8 @@ def _metrics(
     # Masked positions hold ratio 1 and log_ratio 0, so they add nothing to the sums below.
     k3 = (ratio - 1.0) - log_ratio
     # ratio = exp(.) > 0, so 0 at masked positions never wins and an empty call reports 0.
-    ratio_max = torch.where(valid, ratio, torch.zeros_like(ratio)).max()
+    masked = torch.where(valid, ratio, torch.zeros_like(ratio))
+    ratio_max = masked.max() if masked.numel() else ratio.new_zeros(())
     return PolicyLossMetrics(
         clipfrac_high=frac((advantages > 0) & (ratio > 1.0 + eps_high)),
         clipfrac_low=frac((advantages < 0) & (ratio < 1.0 - eps_low)),

@@ -1,0 +1,133 @@
+"""Token logprob + entropy straight from hidden states and the lm-head weight (the output projection
+fused in): full [N, V] logits never exist, only a [chunk, V] block of them at a time.
+
+Forward: per token chunk, logits = hidden @ weight^T, then the backend's streaming statistics;
+one combine (all-reduce) for all tokens. Backward: per chunk, recompute the logits, turn them into
+their gradient in place (the backend's grad pass), then grad_hidden = g @ weight and
+grad_weight += g^T @ hidden (accumulated in fp32). Costs one extra matmul (the recompute), saves
+the [N, V] logits and their gradient: the Cut-Cross-Entropy / Liger fused-linear trade.
+
+Tensor parallel: `weight` is this rank's vocab shard [V_local, H] and `hidden` is replicated on the
+TP ranks; the backward all-reduces grad_hidden over `tp_group` itself (so do NOT also wrap `hidden`
+in Megatron's copy_to_tensor_model_parallel_region).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.kernels.logprobs import Backend, get_backend, resolve_impl
+from megatron_dapo.kernels.vocab_parallel import RowStats, combine, tp_world_size
+
+LINEAR_CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}
+"""Budget of one [chunk, V_local] logits block (the backend bounds its own fp32 temporaries). Large
+chunks matter: every chunk also reads and writes the whole [V, H] weight gradient."""
+
+
+def _chunk_rows(weight: torch.Tensor, chunk_bytes: int | None) -> int:
+    budget = chunk_bytes or LINEAR_CHUNK_BYTES.get(weight.device.type, LINEAR_CHUNK_BYTES["cuda"])
+    return max(1, budget // (weight.shape[0] * weight.element_size()))
+
+
+class LinearLogprobsEntropy(torch.autograd.Function):
+    """hidden [N, H], weight [V_local, H], targets [N] -> fp32 (logprob [N], entropy [N] or None)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        backend: Backend,
+        vocab_start: int,
+        group: dist.ProcessGroup | None,
+        compute_entropy: bool,
+        chunk_rows: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        parts = []
+        for r0 in range(0, hidden.shape[0], chunk_rows):
+            logits = (hidden[r0 : r0 + chunk_rows] @ weight.T).unsqueeze(0)
+            parts.append(backend.stats(logits, targets[r0 : r0 + chunk_rows], vocab_start, compute_entropy))
+        columns = [torch.cat(c) if c[0] is not None else None for c in zip(*parts)] if parts else None
+        empty = torch.empty(0, device=hidden.device)
+        stats = (
+            RowStats(*columns)
+            if columns
+            else RowStats(empty, empty, empty if compute_entropy else None, empty)
+        )
+        lse, logprob, entropy = combine(stats, group)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.backend, ctx.vocab_start, ctx.group, ctx.chunk_rows = backend, vocab_start, group, chunk_rows
+        ctx.set_materialize_grads(False)
+        return logprob, entropy
+
+    @staticmethod
+    def backward(ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[Any, ...]:
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        if g_ent is not None and (entropy is None or not bool(g_ent.any())):
+            g_ent = None
+        if g_lp is None and g_ent is None:
+            return (None,) * 8
+        want_h, want_w = ctx.needs_input_grad[:2]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        step = ctx.chunk_rows
+        for r0 in range(0, hidden.shape[0], step):
+            sl = slice(r0, r0 + step)
+            h = hidden[sl]
+            g = (h @ weight.T).unsqueeze(0)
+            ctx.backend.grad(g, targets[sl], ctx.vocab_start, lse[sl],
+                             None if entropy is None else entropy[sl],
+                             None if g_lp is None else g_lp[sl].float().contiguous(),
+                             None if g_ent is None else g_ent[sl].float().contiguous(), g)  # fmt: skip
+            g = g.squeeze(0)
+            if want_h:
+                torch.mm(g, weight, out=grad_h[sl])
+            if want_w and grad_w.dtype == g.dtype:
+                grad_w.addmm_(g.T, h)
+            elif want_w:
+                grad_w += g.T @ h  # low-precision partial product, accumulated in fp32
+        if want_h and tp_world_size(ctx.group) > 1:
+            dist.all_reduce(grad_h, group=ctx.group)
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), *(None,) * 6
+
+
+def linear_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_start: int = 0,
+    compute_entropy: bool = True,
+    impl: str = "auto",
+    chunk_bytes: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_logprobs_and_entropy(hidden @ weight^T, targets, ...) without materialising the logits.
+
+    Args:
+        hidden: [..., H] (replicated across `tp_group`); weight: [V_local, H], rows = vocab ids
+            [vocab_start, vocab_start + V_local); targets: [...] global ids.
+        chunk_bytes: memory budget of one [chunk, V_local] logits block (LINEAR_CHUNK_BYTES by device).
+    """
+    if hidden.shape[:-1] != targets.shape or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"need hidden [..., H], weight [V, H], targets [...]; got {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)}, {tuple(targets.shape)}")  # fmt: skip
+    backend = get_backend(resolve_impl(impl, hidden.device))
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t = targets.reshape(-1).to(device=hidden.device, dtype=torch.int64)
+    logprob, entropy = LinearLogprobsEntropy.apply(
+        flat_h,
+        weight,
+        flat_t,
+        backend,
+        vocab_start,
+        tp_group,
+        compute_entropy,
+        _chunk_rows(weight, chunk_bytes),
+    )
+    logprob = logprob.view(targets.shape)
+    return logprob, None if entropy is None else entropy.view(targets.shape)
