@@ -75,7 +75,7 @@ def policy_loss(
     Returns:
         (loss, metrics): a scalar loss and detached `PolicyLossMetrics`.
     """
-    _validate(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, agg_mode)
+    validate_inputs(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, agg_mode)
     valid = mask != 0
     weight = mask.to(logprobs.dtype)
     if advantages.dim() == 1:
@@ -95,7 +95,7 @@ def policy_loss(
     return loss, metrics
 
 
-def _validate(
+def validate_inputs(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,

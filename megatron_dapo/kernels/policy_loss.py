@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.algo.loss import Count, PolicyLossMetrics, policy_loss
+from megatron_dapo.algo.loss import Count, PolicyLossMetrics, policy_loss, validate_inputs
 from megatron_dapo.kernels.linear_logprobs import linear_logprobs_and_entropy
 from megatron_dapo.kernels.logprobs import resolve_impl, token_logprobs_and_entropy
 
@@ -172,7 +172,7 @@ def _triton_policy_loss(
     """The token-mean loss through the fused clip kernel; same inputs, result and metrics as policy_loss."""
     from megatron_dapo.kernels.policy_loss_triton import ClipLoss
 
-    _validate_like_policy_loss(logprobs, old_logprobs, advantages, mask, eps_low, eps_high)
+    validate_inputs(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, "token-mean")
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     f32 = {"dtype": torch.float32, "device": logprobs.device}
@@ -185,26 +185,6 @@ def _triton_policy_loss(
     valid = flat[2] != 0
     loss = token_loss.sum() / _denominator(global_num_tokens, valid)
     return loss, _clip_metrics(ratio, log_ratio, clip, valid)
-
-
-def _validate_like_policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-) -> None:
-    """The ValueErrors policy_loss raises for the token-mean mode (tested to agree)."""
-    if not 0.0 <= eps_low < 1.0 or eps_high < 0.0:
-        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
-    if logprobs.dim() != 2 or old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
-        raise ValueError(f"logprobs, old_logprobs and mask must be [B, T]; got {tuple(logprobs.shape)}, "
-                         f"{tuple(old_logprobs.shape)}, {tuple(mask.shape)}")  # fmt: skip
-    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
-        raise ValueError(
-            f"advantages must be [B] or [B, T] = {tuple(logprobs.shape)}, got {tuple(advantages.shape)}"
-        )
 
 
 @torch.no_grad()
