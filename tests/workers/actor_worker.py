@@ -3,6 +3,7 @@
     torchrun --nproc_per_node N tests/workers/actor_worker.py CASE HF_DIR OUT_DIR TP PP [CKPT]
 """
 
+import os
 import sys
 
 import torch
@@ -39,6 +40,7 @@ def make_cfg(tp: int, pp: int) -> Config:
     cfg.actor.optimizer.grad_clip, cfg.actor.optimizer.weight_decay = 0.0, 0.0
     cfg.actor.micro_batch_tokens = 48  # several micro-batches per mini-batch
     cfg.actor.logprob_micro_batch_tokens = 40
+    cfg.actor.optimizer.distributed_optimizer = os.environ.get("DAPO_TEST_DISTOPT") == "1"
     return cfg
 
 
