@@ -133,6 +133,8 @@ class RunState:
     def timings(self, t_step: float, tokens: int = 0) -> dict[str, float]:
         step_s = time.perf_counter() - t_step
         out = {f"timing/{k}_s": v for k, v in self._times.items() if k != "weight_sync_bytes"}
+        if "weight_sync_bytes" in self._times:
+            out["perf/weight_sync_bytes"] = self._times["weight_sync_bytes"]
         out["timing/step_s"] = step_s
         out["perf/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
         self._times.clear()

@@ -18,7 +18,7 @@ TAGS = [
     "actor/clipfrac_high", "actor/clipfrac_low", "actor/grad_norm", "actor/lr", "rollout/gen_rounds",
     "rollout/kept_group_frac", "rollout/train_rollout_logprob_absdiff", "val/acc_avg_at_k",
     "timing/rollout_s", "timing/reward_s", "timing/old_logprob_s", "timing/update_s", "timing/weight_sync_s",
-    "timing/step_s", "perf/tokens_per_s",
+    "timing/step_s", "perf/tokens_per_s", "perf/weight_sync_bytes",
 ]
 SMALL = ["train.prompt_batch_size=8", "train.mini_batch_size=4", "algo.group_size=4", "eval.n_samples=2",
          "eval.max_prompts=16", "eval.every_steps=2", "train.deterministic=true"]
