@@ -1,6 +1,5 @@
 """The DAPO policy loss against hand arithmetic from the paper, and its split invariance."""
 
-import socket
 import time
 from datetime import timedelta
 
@@ -10,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_dapo.algo.loss import policy_loss
+from megatron_dapo.parallel import free_port
 
 F64 = torch.float64
 
@@ -172,14 +172,8 @@ def _dp_worker(rank: int, world_size: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_rank_gloo_data_parallel_matches_full_batch():
-    ctx = mp.spawn(_dp_worker, args=(2, _free_port()), nprocs=2, join=False)
+    ctx = mp.spawn(_dp_worker, args=(2, free_port()), nprocs=2, join=False)
     deadline = time.monotonic() + 120
     while not ctx.join(timeout=5):  # join() re-raises a worker's exception
         if time.monotonic() > deadline:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import time
 from datetime import timedelta
 
@@ -18,6 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from megatron_dapo.parallel import free_port
 
 SHARDS = ((0, 250), (250, 600))
 B, T, V = 3, 5, 600
@@ -120,15 +121,9 @@ def _worker(rank: int, world_size: int, port: int, impls: list[str]) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_vocab_parallel_two_gloo_ranks_match_single_process():
     impls = ["torch"] + (["triton"] if importlib.util.find_spec("triton") else [])
-    ctx = mp.spawn(_worker, args=(2, _free_port(), impls), nprocs=2, join=False)
+    ctx = mp.spawn(_worker, args=(2, free_port(), impls), nprocs=2, join=False)
     deadline = time.monotonic() + 120
     while not ctx.join(timeout=5):  # join() re-raises a worker's exception
         if time.monotonic() > deadline:
