@@ -1,15 +1,13 @@
 """The DAPO policy loss against hand arithmetic from the paper, and its split invariance."""
 
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_dapo.algo.loss import policy_loss
-from megatron_dapo.parallel import free_port
+from spawn import run_ranks
 
 F64 = torch.float64
 
@@ -173,13 +171,7 @@ def _dp_worker(rank: int, world_size: int, port: int) -> None:
 
 
 def test_two_rank_gloo_data_parallel_matches_full_batch():
-    ctx = mp.spawn(_dp_worker, args=(2, free_port()), nprocs=2, join=False)
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=5):  # join() re-raises a worker's exception
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("2-process gloo test timed out")
+    run_ranks(_dp_worker)
 
 
 def test_empty_batch_gives_zero_loss_and_metrics():

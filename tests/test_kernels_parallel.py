@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import time
 from datetime import timedelta
 
-import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from megatron_dapo.parallel import free_port
+from spawn import run_ranks
 
 SHARDS = ((0, 250), (250, 600))
 B, T, V = 3, 5, 600
@@ -123,13 +120,7 @@ def _worker(rank: int, world_size: int, port: int, impls: list[str]) -> None:
 
 def test_vocab_parallel_two_gloo_ranks_match_single_process():
     impls = ["torch"] + (["triton"] if importlib.util.find_spec("triton") else [])
-    ctx = mp.spawn(_worker, args=(2, free_port(), impls), nprocs=2, join=False)
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=5):  # join() re-raises a worker's exception
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("2-process gloo test timed out")
+    run_ranks(_worker, impls)
 
 
 def test_single_rank_group_is_local():
