@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import sys
 import types
 import typing
@@ -425,6 +426,9 @@ def _problems(cfg: Config) -> list[str]:
         p.append("actor.optimizer: warmup_steps, grad_clip and weight_decay must be >= 0")
     if cfg.parallel.sequence_parallel and cfg.parallel.tensor_parallel == 1:
         p.append("parallel.sequence_parallel needs parallel.tensor_parallel > 1")
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "none") and not os.path.isdir(resume):
+        p.append(f"checkpoint.resume={resume!r} must be auto, none or an existing checkpoint folder")
     if cfg.checkpoint.keep_last < 1:
         p.append(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
     return p

@@ -129,6 +129,7 @@ def test_yaml_scientific_notation_is_a_float(tmp_path):
     (["eval.top_p=0"], "eval.top_p"),
     (["parallel.sequence_parallel=true"], "sequence_parallel"),
     (["actor.optimizer.lr=0"], "optimizer.lr"),
+    (["checkpoint.resume=never"], "must be auto, none or an existing checkpoint folder"),
 ])
 def test_cross_field_validation(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
