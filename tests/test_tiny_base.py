@@ -18,6 +18,7 @@ from megatron_dapo.types import Prompt
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `tools` is a namespace package at the repository root
 
+import tools._tiny_base_data as tbd  # noqa: E402
 import tools.make_tiny_base as mtb  # noqa: E402
 
 CHAT_TEMPLATE = (
@@ -114,14 +115,51 @@ def test_decode_response_skips_special_tokens(char_tokenizer):
 def test_training_examples_mask_the_prompt(char_tokenizer):
     tok = char_tokenizer
     prompts = make_arithmetic_prompts(3, seed=0)
-    examples = mtb.make_examples(tok, prompts)
-    input_ids, labels = mtb.collate(examples, tok.pad_token_id)
-    for row, (prompt, (ids, n_prompt)) in enumerate(zip(prompts, examples)):
-        assert ids[:n_prompt] == render_prompt_ids(tok, prompt)
-        assert ids[-1] == tok.eos_token_id
+    examples = tbd.make_examples(tok, prompts)
+    rows = [(ex.prompt_ids, ex.targets[("ramble", 2)]) for ex in examples]
+    input_ids, labels = tbd.collate(rows, tok.pad_token_id)
+    for row, (prompt, ex) in enumerate(zip(prompts, examples)):
+        assert ex.prompt_ids == render_prompt_ids(tok, prompt)
+        n = len(ex.prompt_ids)
         target = labels[row][labels[row] != -100].tolist()
-        assert target == ids[n_prompt:]
-        assert tok.decode(target, skip_special_tokens=True) == arithmetic_target(prompt)
+        assert input_ids[row, :n].tolist() == ex.prompt_ids and target == rows[row][1]
+        assert target[-1] == tok.eos_token_id
+        assert tok.decode(target, skip_special_tokens=True) == tbd.style_response(prompt, "ramble", 2)
+        assert tok.decode(ex.targets[("answer", 1)], skip_special_tokens=True) == arithmetic_target(prompt)
+
+
+def test_answer_styles_and_what_the_reward_makes_of_them():
+    from megatron_dapo.reward.math_dapo import compute_score
+
+    prompt = make_arithmetic_prompts(1, seed=0)[0]
+    question, truth = prompt.messages[0]["content"], prompt.ground_truth
+    assert tbd.style_response(prompt, "answer") == f"Answer: {truth}"
+    assert tbd.style_response(prompt, "bare") == truth
+    assert tbd.style_response(prompt, "sentence") == f"The answer is {truth}"
+    assert tbd.style_response(prompt, "ramble", 2) == f"{question}? {question}? Answer: {truth}"
+    scores = {s: compute_score(tbd.style_response(prompt, s, 1), truth).score for s in tbd.STYLE_WEIGHTS}
+    assert scores == {"answer": 1.0, "bare": -1.0, "sentence": -1.0, "ramble": 1.0}
+    with pytest.raises(ValueError, match="unknown style"):
+        tbd.style_response(prompt, "haiku")
+
+
+def test_batches_draw_styles_by_weight(char_tokenizer):
+    import random
+    from collections import Counter
+
+    tok = char_tokenizer
+    prompts = make_arithmetic_prompts(40, seed=1)
+    examples = tbd.make_examples(tok, prompts)
+    by_target = {tuple(t): key for ex in examples for key, t in ex.targets.items()}
+    data = tbd.batches(examples, 20, tok.pad_token_id, random.Random(0))
+    counts: Counter = Counter()
+    for _ in range(200):  # 4000 draws, 100 epochs of the 40 examples
+        _, labels = next(data)
+        for row in labels:
+            counts[by_target[tuple(row[row != -100].tolist())][0]] += 1
+    total = sum(counts.values())
+    for style, weight in tbd.STYLE_WEIGHTS.items():  # binomial std <= 0.008 at n=4000; 0.03 is > 3.5 std
+        assert abs(counts[style] / total - weight) < 0.03, (style, counts)
 
 
 # --------------------------------------------------------------------------------------------- build
@@ -198,3 +236,18 @@ def test_force_replaces_out(tmp_path, monkeypatch):
     assert info["seed"] == 1 and not (out / "stale.txt").exists()
     assert json.loads((out / "base_info.json").read_text())["params"] == info["params"]
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".tb.lock")) == ["tb"]
+
+
+def test_ensure_rebuilds_a_base_of_an_older_recipe(tmp_path, monkeypatch):
+    monkeypatch.setattr(mtb, "train", lambda *a, **k: mtb.TrainResult(0, 0.0, 0.0, False))
+    monkeypatch.setattr(mtb, "evaluate", lambda *a, **k: {"greedy_acc": 0.0, "sampled_acc": 0.0, "examples": []})
+    out = tmp_path / "tb"
+    out.mkdir()
+    (out / "base_info.json").write_text(json.dumps({"params": 1}))  # built before recipes were recorded
+    (out / "model.safetensors").write_text("old")
+    assert mtb.ensure_tiny_base(out) == out
+    info = json.loads((out / "base_info.json").read_text())
+    assert info["recipe"] == mtb.RECIPE and info["style_weights"] == tbd.STYLE_WEIGHTS
+    assert (out / "model.safetensors").read_bytes() != b"old"
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert mtb.ensure_tiny_base(out) == out and (out / "model.safetensors").stat().st_mtime_ns == stamp

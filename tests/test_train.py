@@ -2,7 +2,6 @@
 exactly, the final policy exports to HF, dry-run and config errors. `slow`: the full tiny run learns."""
 
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -126,7 +125,7 @@ def test_full_tiny_run(tmp_path, python_env):
         assert tag in tb and all(math.isfinite(v) for v in tb[tag].values()), tag
     val = tb["val/acc_avg_at_k"]
     assert sorted(val) == [0, 10, 20, 30, 40]
-    assert val[40] >= val[0] - 0.05, val  # no collapse (the +15-point target is not met yet: see README)
+    assert val[40] >= val[0] + 0.15, val  # it visibly learns (measured: +26 points; see README)
     assert max(tb["rollout/train_rollout_logprob_absdiff"].values()) < 1e-4
     assert (tmp_path / "tb" / "tiny_cpu" / "summary.png").is_file()
     assert (tmp_path / "ckpt" / "tiny_cpu" / "hf_final" / "model.safetensors").is_file()

@@ -3,17 +3,21 @@
 equal rollout budget (responses generated). Writes a markdown table (mean ± std of the final
 avg@k accuracy and of the steps to reach a target accuracy) and a plot.
 
-    python tools/ablate.py --seeds 1 2 3 --budget 20000 --out runs/ablation [--steps 200] [overrides...]
+    python tools/ablate.py --seeds 1 2 3 --budget 20000 --out runs/ablation [--jobs 2] [overrides...]
+
+With --jobs N, N runs go at once, each with one torch thread (OMP_NUM_THREADS=1).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,8 +62,9 @@ def run_one(args: argparse.Namespace, row: int, seed: int) -> dict:
            f"logging.tensorboard_dir={logdir}", f"logging.run_name={name}",
            f"checkpoint.dir={Path(args.out) / 'ckpt'}", "checkpoint.save_every=0", "checkpoint.export_hf=false",
            "checkpoint.resume=none", *args.overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if args.jobs > 1 else None
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
     curve = read_curve(logdir / name, "val/acc_avg_at_k")
@@ -112,16 +117,23 @@ def main() -> int:
     p.add_argument("--target", type=float, default=0.8, help="accuracy for the steps-to-target column")
     p.add_argument("--rows", type=int, nargs="+", default=list(range(len(ROWS))))
     p.add_argument("--out", default="runs/ablation")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (each then uses one torch thread)")
     p.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    results = []
-    for row in args.rows:
-        for seed in args.seeds:
-            r = run_one(args, row, seed)
-            print(f"[ablate] {ROWS[row][0]:<28} seed {seed}: avg@k {r['start']:.3f} -> {r['final']:.3f} "
-                  f"({r['seconds']:.0f} s)", flush=True)
-            results.append(r)
+    if args.jobs < 1:
+        p.error("--jobs must be >= 1")
+
+    def one(job: tuple[int, int]) -> dict:
+        r = run_one(args, *job)
+        print(f"[ablate] {ROWS[r['row']][0]:<28} seed {r['seed']}: avg@k {r['start']:.3f} -> {r['final']:.3f} "
+              f"({r['seconds']:.0f} s)", flush=True)
+        return r
+
+    jobs = [(row, seed) for row in args.rows for seed in args.seeds]
+    print(f"[ablate] {len(jobs)} runs, {args.jobs} at a time", flush=True)
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(one, jobs))
     md = table(results, args.seeds, args.target)
     (Path(args.out) / "table.md").write_text(md + "\n")
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))

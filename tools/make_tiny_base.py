@@ -2,7 +2,7 @@
 warm-started by supervised training on the built-in arithmetic task so that DAPO starts from a model
 that is right some of the time (and has room to improve).
 
-    python tools/make_tiny_base.py --out checkpoints/tiny_base            # ~1.5 min on a 2-core CPU
+    python tools/make_tiny_base.py --out checkpoints/tiny_base            # ~2.5 min on a 2-core CPU
     python tools/make_tiny_base.py --out /tmp/tb --steps 20 --force       # seconds; a useless model
 
 What it writes into --out (Hugging Face format, loadable with AutoTokenizer / AutoModelForCausalLM):
@@ -14,24 +14,29 @@ What it writes into --out (Hugging Face format, loadable with AutoTokenizer / Au
   - base_info.json: {params, train_seconds, steps, greedy_acc, sampled_acc, seed, ...}.
 
 Training: the prompts the tiny config trains on (`TRAIN_SPEC`); the input is
-`render_prompt_ids(prompt)` + the ids of `arithmetic_target(prompt)` ("Answer: 82") + <eos>, and the
-loss is the cross-entropy on the target tokens only. AdamW, linear warm-up, then cosine decay.
-Training stops at --steps or after --seconds of wall time, whichever comes first; the schedule follows
-whichever budget is further along, so a run cut by the clock still ends annealed. When the step limit
-governs, the build is deterministic for a --seed (same machine and thread count: bit-identical
-weights); when the clock does (a slow or busy machine), base_info.json says "time_limited": true and
-the result depends on the machine's speed.
+`render_prompt_ids(prompt)` + a target + <eos>, and the loss is the cross-entropy on the target tokens
+only. The target's style is redrawn at every use (tools/_tiny_base_data.py): "Answer: 82" (what the
+DAPO reward reads), or "82", "The answer is 82", or 1-3 echoes of the question before "Answer: 82"
+(long enough to be truncated or softly punished at the tiny config's 24-token budget). Like a
+pretrained base, the model ends up knowing some arithmetic but answering in the rewarded form only
+part of the time; that habit, and its arithmetic, are what DAPO can improve.
+AdamW, linear warm-up, then cosine decay. Training stops at --steps or after --seconds of wall time,
+whichever comes first; the schedule follows whichever budget is further along, so a run cut by the
+clock still ends annealed. When the step limit governs (the default: 1000 steps take ~150 s on a
+quiet 2-core CPU; the 300 s clock is a safety cap), the build is deterministic for a --seed (same
+machine and thread count: bit-identical weights); when the clock does (a slow or busy machine),
+base_info.json says "time_limited": true and the result depends on the machine's speed.
 
-Measured with the defaults (0.62M parameters) on a 2-core CPU shared with other jobs: 1000 steps in
-68 s (74 s in all) -> greedy 0.59, sampled (T=1.0) 0.46 on the validation prompts; under heavier load
-the clock cut a build at 800 steps -> 0.43 / 0.30.
+Measured with the defaults (0.62M parameters) on a quiet 2-core CPU: 1000 steps in 153 s -> on the
+validation prompts greedy 0.555, sampled (T=1.0) 0.375; about a third of the sampled responses
+use the "Answer:" form, and with any form, the number is right about half of the time.
 
 Evaluation: the validation prompts (`VAL_SPEC`), `transformers` `generate` with greedy decoding and
 with plain sampling at temperature 1.0 (no top-k / top-p, `EVAL_SAMPLES` samples per prompt), at most
 `MAX_NEW_TOKENS` new tokens (the config's rollout.max_response_len), scored with the DAPO reward.
 
-`ensure_tiny_base(out)` builds only when `out/base_info.json` is missing; the run script and the
-trainer call it on first use (`import tools.make_tiny_base` with the repository root on sys.path).
+`ensure_tiny_base(out)` builds only when `out/base_info.json` is missing or records an older `RECIPE`
+(then it rebuilds in place); the run script calls it on first use.
 A build writes into a temporary sibling folder and renames it into place at the end, so
 `base_info.json` present means the folder is complete.
 """
@@ -59,22 +64,25 @@ if __package__ in (None, ""):  # `python tools/make_tiny_base.py` from a checkou
 
 import torch
 
-from megatron_dapo.data.arithmetic import arithmetic_target
 from megatron_dapo.data.datasets import load_prompts
 from megatron_dapo.data.render import decode_response, render_prompt_ids
 from megatron_dapo.reward.math_dapo import compute_score
 from megatron_dapo.types import Prompt
+from tools._tiny_base_data import STYLE_WEIGHTS, Example, batches, make_examples
 
 DEFAULT_OUT = "checkpoints/tiny_base"
 TRAIN_SPEC = "builtin:arithmetic?n=4000&seed=0"
 """= data.train_path of examples/configs/tiny_cpu.yaml (2-digit operands, ops + - *)."""
-VAL_SPEC = "builtin:arithmetic?n=128&seed=12345"
+VAL_SPEC = "builtin:arithmetic?n=256&seed=12345"
 """= data.val_path of examples/configs/tiny_cpu.yaml."""
-MAX_NEW_TOKENS = 16
+MAX_NEW_TOKENS = 24
 """= rollout.max_response_len of examples/configs/tiny_cpu.yaml."""
 EVAL_SAMPLES = 4
 """Samples per validation prompt at temperature 1.0 (= eval.n_samples of the tiny config)."""
 INFO_FILE = "base_info.json"
+RECIPE = 2
+"""Version of the warm-start recipe (data styles, model, schedule): `ensure_tiny_base` rebuilds a base
+whose base_info.json records another (2: mixed answer styles, see tools/_tiny_base_data.py)."""
 EXIT_REFUSED = 2
 
 PAD_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<eos>", "<unk>"
@@ -100,7 +108,7 @@ class Settings:
     weight_decay: float = 0.01
     warmup_steps: int = 50
     max_steps: int = 1000
-    seconds: float = 90.0
+    seconds: float = 300.0
     seed: int = 0
     threads: int | None = 1
     """torch intra-op threads while building. One: this model's matrices are too small to gain much
@@ -187,43 +195,6 @@ def count_params(model: torch.nn.Module) -> int:
 # ---------------------------------------------------------------------------------------- training
 
 
-def make_examples(tokenizer: Any, prompts: Sequence[Prompt]) -> list[tuple[list[int], int]]:
-    """(prompt ids + target ids + <eos>, number of prompt ids) for each prompt."""
-    examples = []
-    for prompt in prompts:
-        prompt_ids = render_prompt_ids(tokenizer, prompt)
-        target_ids = tokenizer.encode(arithmetic_target(prompt), add_special_tokens=False)
-        examples.append((prompt_ids + target_ids + [tokenizer.eos_token_id], len(prompt_ids)))
-    return examples
-
-
-def collate(examples: Sequence[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded input ids [B, S] and labels [B, S] (-100 on prompt and padding: loss on the target).
-
-    With right padding and a causal model no attention mask is needed: padding only follows the tokens
-    that count.
-    """
-    width = max(len(ids) for ids, _ in examples)
-    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), -100, dtype=torch.long)
-    for row, (ids, n_prompt) in enumerate(examples):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        labels[row, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
-    return input_ids, labels
-
-
-def _batches(n: int, batch_size: int, rng: random.Random) -> Iterator[list[int]]:
-    """Endless shuffled epochs of example indices, `batch_size` at a time."""
-    order: list[int] = []
-    while True:
-        if len(order) < batch_size:
-            epoch = list(range(n))
-            rng.shuffle(epoch)
-            order.extend(epoch)
-        yield order[:batch_size]
-        del order[:batch_size]
-
-
 def lr_factor(step: int, elapsed: float, settings: Settings) -> float:
     """Linear warm-up over `warmup_steps`, then cosine decay to 0.1 over whichever budget binds first.
 
@@ -248,7 +219,7 @@ class TrainResult:
 
 
 def train(
-    model: Any, examples: Sequence[tuple[list[int], int]], pad_id: int, settings: Settings, *, progress: bool
+    model: Any, examples: Sequence[Example], pad_id: int, settings: Settings, *, progress: bool
 ) -> TrainResult:
     """Supervised warm-start (loss on the target tokens only) until max_steps or `seconds` of wall time."""
     from tqdm import tqdm
@@ -258,7 +229,7 @@ def train(
         model.parameters(), lr=settings.lr, betas=(0.9, 0.98), weight_decay=settings.weight_decay
     )
     model.train()
-    batches = _batches(len(examples), settings.batch_size, rng)
+    data = batches(examples, settings.batch_size, pad_id, rng)
     recent: list[float] = []
     steps, time_limited = 0, False
     start = time.monotonic()
@@ -273,7 +244,7 @@ def train(
             time_limited |= steps >= settings.warmup_steps and clock_ahead  # the clock drives the lr
             for group in optimizer.param_groups:
                 group["lr"] = settings.lr * lr_factor(steps, elapsed, settings)
-            input_ids, labels = collate([examples[i] for i in next(batches)], pad_id)
+            input_ids, labels = next(data)
             loss = model(input_ids=input_ids, labels=labels).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -412,6 +383,8 @@ def build_tiny_base(
             "greedy_acc": result["greedy_acc"],
             "sampled_acc": result["sampled_acc"],
             "seed": settings.seed,
+            "recipe": RECIPE,
+            "style_weights": STYLE_WEIGHTS,
             "final_loss": round(trained.loss, 4),
             "time_limited": trained.time_limited,
             "eval": {
@@ -462,20 +435,28 @@ def _build_lock(out: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def ensure_tiny_base(out: str | Path = DEFAULT_OUT, seconds: float = 90, *, seed: int = 0) -> Path:
-    """`out` as a Path, after building the tiny base there if `out/base_info.json` is missing.
+def ensure_tiny_base(out: str | Path = DEFAULT_OUT, seconds: float = Settings.seconds, *, seed: int = 0) -> Path:
+    """`out` as a Path, after building the tiny base there if `out/base_info.json` is missing or records
+    an older recipe (that folder is ours, so it is rebuilt in place).
 
     Raises OutputExistsError when `out` holds something else (a non-empty folder without base_info.json).
     """
     out = Path(out)
-    if (out / INFO_FILE).is_file():
+    if _recipe(out) == RECIPE:
         return out
     with _build_lock(out):
-        if not (out / INFO_FILE).is_file():
-            print(f"building the tiny base model in {out} (first use; <= {seconds:.0f} s of training)",
-                  flush=True)
-            build_tiny_base(out, Settings(seconds=seconds, seed=seed))
+        found = _recipe(out)
+        if found != RECIPE:
+            why = "first use" if found is None else f"it was built by recipe {found}, this is recipe {RECIPE}"
+            print(f"building the tiny base model in {out} ({why}; <= {seconds:.0f} s of training)", flush=True)
+            build_tiny_base(out, Settings(seconds=seconds, seed=seed), force=found is not None)
     return out
+
+
+def _recipe(out: Path) -> int | None:
+    """The recipe recorded in out/base_info.json (0 for a build older than recipes), None if absent."""
+    info = out / INFO_FILE
+    return int(json.loads(info.read_text()).get("recipe", 0)) if info.is_file() else None
 
 
 # --------------------------------------------------------------------------------------------- CLI
