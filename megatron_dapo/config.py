@@ -89,6 +89,9 @@ class SGLangConfig:
     """Fraction of GPU memory SGLang takes for weights + KV cache when colocated."""
     tensor_parallel: int = 1
     """TP size of each SGLang server (one server per rollout TP group)."""
+    num_servers: int = 1
+    """Servers the driver launches, one per rollout TP group: server k uses devices k*TP .. k*TP+TP-1
+    and port base_port + k; prompts are split evenly across them, weight updates go to all."""
     base_port: int = 30000
     """First port; server k listens on base_port + k, bound to 127.0.0.1."""
     startup_timeout_s: float = 600.0
@@ -399,6 +402,7 @@ def _problems(cfg: Config) -> list[str]:
                   "actor.micro_batch_tokens": cfg.actor.micro_batch_tokens,
                   "actor.logprob_micro_batch_tokens": cfg.actor.logprob_micro_batch_tokens,
                   "rollout.weight_sync_bucket_mb": r.weight_sync_bucket_mb,
+                  "rollout.sglang.num_servers": r.sglang.num_servers,
                   "eval.n_samples": cfg.eval.n_samples, "optimizer.lr": o.lr})
     if a.group_size < 2:
         p.append(f"algo.group_size={a.group_size}: group advantages need G >= 2")

@@ -270,9 +270,9 @@ def build_run(cfg: Config) -> RunState:
 
 def _build_engine(cfg: Config, hf_dir: str) -> RolloutEngine:
     if cfg.rollout.engine == "sglang":
-        from megatron_dapo.rollout.sglang_engine import SGLangEngine
+        from megatron_dapo.rollout.sglang_engine import launch_servers
 
-        return SGLangEngine(hf_dir, cfg.rollout.sglang, bucket_mb=cfg.rollout.weight_sync_bucket_mb)
+        return launch_servers(hf_dir, cfg.rollout.sglang, bucket_mb=cfg.rollout.weight_sync_bucket_mb)
     from megatron_dapo.rollout.embedded import EmbeddedEngine
 
     return EmbeddedEngine(hf_dir)

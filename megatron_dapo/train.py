@@ -12,12 +12,10 @@ import logging
 import sys
 import time
 
-import torch
-
 from megatron_dapo import parallel
 from megatron_dapo.config import Config, ConfigError, build_parser, load_config, to_yaml, validate
-from megatron_dapo.run_state import RunState, SetupError, build_run, step_sampling
 from megatron_dapo.rollout.collect import StepRollout, collect_step
+from megatron_dapo.run_state import RunState, SetupError, build_run, step_sampling
 
 log = logging.getLogger("megatron_dapo.train")
 

@@ -39,3 +39,6 @@ def python_env() -> dict:
 
 
 PYTHON = sys.executable
+
+# SGLang fixtures (fake server executable, the real server's venv, tiny checkpoints) for every module.
+from sglang_support import fake_exe, fake_python, hf, models, sglang_python  # noqa: E402, F401

@@ -5,9 +5,9 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from spawn import run_ranks
 
 from megatron_dapo.algo.loss import policy_loss
-from spawn import run_ranks
 
 F64 = torch.float64
 

@@ -14,7 +14,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
 from spawn import run_ranks
 
 SHARDS = ((0, 250), (250, 600))

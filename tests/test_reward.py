@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from megatron_dapo.reward import (
     RewardResult,
     compute_score,
+    math_dapo,
     overlong_filter_mask,
     soft_overlong_penalty,
 )
-from megatron_dapo.reward import math_dapo
 
 # ---------------------------------------------------------------- compute_score: positive cases
 POSITIVE = [

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sglang_support import SGLANG_TIMEOUT, _gone, _max_logprob_diff
 
 from megatron_dapo.config import SGLangConfig
 from megatron_dapo.rollout.base import EngineStateError, GenerationAborted, SamplingParams
@@ -161,66 +162,6 @@ def test_cpu_shim_hook_serves_sgl_kernel_and_patches_device_module(tmp_path):
 
 # ------------------------------------------------------------- failure handling with a fake server
 
-FAKE_SERVER = textwrap.dedent("""
-    import argparse, http.server, os, sys, time
-    ap = argparse.ArgumentParser(); ap.add_argument("--port", type=int); ap.add_argument("--host")
-    args, _ = ap.parse_known_args()
-    mode = os.environ["FAKE_SGLANG_MODE"]
-    print("fake sglang starting", mode, flush=True)
-    if mode == "exit":
-        print("RuntimeError: not enough memory for the KV cache", flush=True)
-        sys.exit(3)
-    if mode == "hang":
-        time.sleep(3600)
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200); self.end_headers()
-        def do_POST(self):
-            if self.path == "/init_weights_update_group":  # refuses to join: we must not wait for it
-                body = b'{"success": false, "message": "Failed to initialize custom process group: boom."}'
-                self.send_response(400)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-                return
-            time.sleep(3600)
-    http.server.ThreadingHTTPServer((args.host, args.port), H).serve_forever()
-""")
-
-
-@pytest.fixture
-def fake_python(tmp_path, monkeypatch):
-    """An executable that takes sglang.launch_server's arguments and runs the fake server instead."""
-    server = tmp_path / "fake_server.py"
-    server.write_text(FAKE_SERVER)
-    exe = tmp_path / "fake-python"
-    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{server}" "$@"\n')
-    exe.chmod(0o755)
-
-    def make(mode: str, **cfg) -> SGLangEngine:
-        monkeypatch.setenv("FAKE_SGLANG_MODE", mode)
-        return SGLangEngine(
-            tmp_path,
-            SGLangConfig(**cfg),
-            python=str(exe),
-            port=free_port(),
-            device="cpu",
-            log_dir=tmp_path / "logs",
-            shutdown_grace_s=2,
-        )
-
-    return make
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-
-
 def test_server_that_exits_at_start_names_server_and_log(fake_python, tmp_path):
     with pytest.raises(SGLangServerError) as err:
         fake_python("exit", startup_timeout_s=60)
@@ -282,70 +223,6 @@ def test_server_refusing_the_weight_group_fails_fast(fake_python):
 
 # --------------------------------------------------------------------------- the real SGLang server
 
-SGLANG_TIMEOUT = pytest.mark.timeout(
-    1800
-)  # the first test pays the venv build (cold ~2-3 min) + server start
-
-
-@pytest.fixture(scope="session")
-def sglang_python() -> str:
-    """Build (or reuse) the SGLang venv; skip the tier, saying why, only if it cannot be built."""
-    proc = subprocess.run(
-        ["bash", str(REPO / "tools" / "sglang_venv.sh")], capture_output=True, text=True, timeout=1800
-    )
-    if proc.returncode != 0:
-        why = "\n".join((proc.stderr or proc.stdout).splitlines()[-20:])
-        print(f"tools/sglang_venv.sh failed (exit {proc.returncode}):\n{why}", file=sys.stderr)
-        pytest.skip(
-            f"cannot build the SGLang venv (tools/sglang_venv.sh exit {proc.returncode}): {why[-500:]}"
-        )
-    return proc.stdout.strip().splitlines()[-1]
-
-
-def _tiny_qwen2(path: Path, seed: int) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=1,
-        rope_theta=10000.0,
-    )
-    model = Qwen2ForCausalLM(cfg).float()
-    with torch.no_grad():  # peakier than the default init, so sampled tokens vary in probability
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sglang-models")
-    return {"a": _tiny_qwen2(root / "a", 0), "b": _tiny_qwen2(root / "b", 1)}
-
-
-@pytest.fixture(scope="module")
-def hf(models):
-    """The same checkpoints in transformers (this process), single-threaded: the idle SGLang scheduler
-    spins on a core, and a 2-thread torch forward beside it runs ~100x slower on a 2-core machine."""
-    from transformers import AutoModelForCausalLM
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield {k: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for k, p in models.items()}
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def engine(sglang_python, models, tmp_path_factory):
     """ONE real server for the module (start ~20-70 s on 2 cores); stopped by PID at the end."""
@@ -366,22 +243,6 @@ def engine(sglang_python, models, tmp_path_factory):
     yield eng
     eng.shutdown()
     assert _gone(pid), f"SGLang server pid {pid} still running after shutdown()"
-
-
-def _teacher_forced(model, prompt: list[int], response: list[int]) -> torch.Tensor:
-    ids = torch.tensor([prompt + response])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
-
-
-def _max_logprob_diff(model, groups) -> float:
-    diffs = [
-        (_teacher_forced(model, s.prompt_ids, s.response_ids) - torch.tensor(s.rollout_logprobs)).abs().max()
-        for g in groups
-        for s in g
-    ]
-    return float(torch.stack(diffs).max())
 
 
 PROMPTS = [[5, 6, 7], [9, 9], [17, 33, 65, 129, 200]]

@@ -68,7 +68,6 @@ from megatron_dapo.rollout.base import (
     SamplingParams,
     check_prompts,
 )
-from megatron_dapo.types import Sample
 from megatron_dapo.rollout.sglang_wire import (
     _aligned_layout,
     _cut_at_stop,
@@ -84,6 +83,7 @@ from megatron_dapo.rollout.sglang_wire import (
     serialize_named_tensors,
     tensor_nbytes,
 )
+from megatron_dapo.types import Sample
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
@@ -143,7 +143,8 @@ class SGLangEngine(RolloutEngine):
     `model_path`: HF folder the server loads at start (and whose safetensors headers are used to
     check names/shapes of weight updates). `cfg`: the SGLang sub-config. `bucket_mb`: weight-sync
     bucket size (RolloutConfig.weight_sync_bucket_mb). `python`: the interpreter with sglang
-    (default: see `default_python`). `port`: default cfg.base_port + server_index. `dtype`: the
+    (default: see `default_python`). `port`: default cfg.base_port + server_index; on CUDA, server k
+    uses GPUs k*TP .. k*TP+TP-1 (--base-gpu-id). `dtype`: the
     server's --dtype. `device`: "auto" = cuda if this process sees CUDA, else the CPU engine.
     `log_dir`: where `sglang-<host>-<port>.log` goes. `extra_args`: more launch flags (after
     cfg.extra_args). Starting waits for /health up to cfg.startup_timeout_s.
@@ -151,7 +152,8 @@ class SGLangEngine(RolloutEngine):
     The server gets its own process group (shutdown() stops the whole tree: SIGTERM, then SIGKILL
     after `shutdown_grace_s`), is stopped at interpreter exit, and with `kill_with_parent` gets
     SIGTERM from the kernel if the thread that created the engine dies (so a killed trainer leaves
-    no server behind; create engines in a long-lived thread, or pass False).
+    no server behind; create engines in a long-lived thread, or pass False). With `wait=False` the
+    constructor only starts the process; call `wait_ready()` before using it.
 
     `seed` in SamplingParams is passed as SGLang's per-request `sampling_seed` (sample k of a call
     gets seed + k); SGLang honours it only with `--enable-deterministic-inference`.
@@ -175,6 +177,7 @@ class SGLangEngine(RolloutEngine):
         extra_args: Sequence[str] = (),
         shutdown_grace_s: float = 15.0,
         kill_with_parent: bool = True,
+        wait: bool = True,
     ) -> None:
         self.cfg = cfg or SGLangConfig()
         self.model_path = str(model_path)
@@ -182,6 +185,7 @@ class SGLangEngine(RolloutEngine):
         self.python = python or default_python()
         self.host = host
         self.port = int(port if port is not None else self.cfg.base_port + server_index)
+        self.server_index = server_index
         self.url = f"http://{host}:{self.port}"
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -207,6 +211,8 @@ class SGLangEngine(RolloutEngine):
         self.last_update = WeightUpdateStats()
         self._cmd = self._launch_command(dtype, colocate, max_total_tokens, extra_args)
         self._start()
+        if wait:
+            self.wait_ready()
 
     # ------------------------------------------------------------------------------- lifecycle
 
@@ -242,7 +248,8 @@ class SGLangEngine(RolloutEngine):
             if max_total_tokens is None and not any(a.startswith("--max-total-tokens") for a in user):
                 max_total_tokens = CPU_DEFAULT_MAX_TOTAL_TOKENS
         else:
-            cmd += ["--mem-fraction-static", str(self.cfg.mem_fraction_static)]
+            cmd += ["--mem-fraction-static", str(self.cfg.mem_fraction_static),
+                    "--base-gpu-id", str(self.server_index * self.cfg.tensor_parallel)]
             if colocate:
                 cmd.append("--enable-memory-saver")
         if max_total_tokens is not None:
@@ -274,7 +281,12 @@ class SGLangEngine(RolloutEngine):
                 preexec_fn=_parent_death_signal_setter() if self.kill_with_parent else None,
             )
         _LIVE_ENGINES.add(self)
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        self._started_at = time.monotonic()
+
+    def wait_ready(self) -> None:
+        """Wait for /health (up to cfg.startup_timeout_s from the start); on failure stop it and raise."""
+        assert self._proc is not None
+        deadline = self._started_at + self.cfg.startup_timeout_s
         while True:
             if self._proc.poll() is not None:
                 self._closed = True

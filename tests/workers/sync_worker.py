@@ -7,8 +7,8 @@ and compare the engine's logprobs with the actor's on the same tokens.
 import sys
 
 import torch
-
 from actor_worker import fixed_batch, make_cfg
+
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor, LossSettings
 from megatron_dapo.algo.train_batch import build_train_batch

@@ -1,0 +1,169 @@
+"""Several rollout engines (e.g. one SGLang server per rollout TP group) behind one `RolloutEngine`.
+
+generate() splits the prompts into contiguous, near-equal chunks, one per engine, runs them at once and
+returns the groups in prompt order; a sampling seed is offset per chunk exactly as one engine would
+offset it per sample, so the split does not change which seed a sample gets. update_weights() streams
+every tensor to every engine at once through small per-engine queues (no copy of the model is held);
+sleep / wake / abort / shutdown go to all engines. Any engine's failure stops the call and is raised
+with the engine named; the other engines' requests are aborted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from typing import Any
+
+import torch
+
+from megatron_dapo.rollout.base import RolloutEngine, SamplingParams, check_prompts
+from megatron_dapo.types import Sample
+
+_END = object()
+_QUEUE_DEPTH = 8
+"""Tensors buffered per engine during a weight update (they are views of the exported weights)."""
+
+
+class EngineGroupError(RuntimeError):
+    """An engine of the group failed; the message names it."""
+
+
+def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous [start, stop) ranges covering range(count), sizes differing by at most one."""
+    base, extra = divmod(count, parts)
+    bounds, start = [], 0
+    for k in range(parts):
+        stop = start + base + (k < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class EngineGroup(RolloutEngine):
+    """`engines` (at least one) as one engine; `names` label them in errors (default: their url / class)."""
+
+    def __init__(self, engines: Sequence[RolloutEngine], names: Sequence[str] | None = None) -> None:
+        if not engines:
+            raise ValueError("EngineGroup needs at least one engine")
+        self.engines = list(engines)
+        self.names = list(names) if names is not None else [
+            getattr(e, "url", f"{type(e).__name__}[{i}]") for i, e in enumerate(self.engines)]
+        self._pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="engine-group")
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    def _all(self, call: Callable[[RolloutEngine], Any], what: str) -> list[Any]:
+        """`call` on every engine at once; the first failure (in engine order) is raised, naming it."""
+        futures = [self._pool.submit(call, e) for e in self.engines]
+        results, failure = [], None
+        for name, fut in zip(self.names, futures):
+            try:
+                results.append(fut.result())
+            except BaseException as e:  # noqa: BLE001 - re-raised below with the engine named
+                failure = failure or (name, e)
+                results.append(None)
+        if failure is not None:
+            name, e = failure
+            raise EngineGroupError(f"{what} failed on rollout engine {name}: {e}") from e
+        return results
+
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> list[list[Sample]]:
+        check_prompts(prompt_token_ids, n)
+        chunks = split_evenly(len(prompt_token_ids), len(self.engines))
+
+        def run(k: int) -> list[list[Sample]]:
+            start, stop = chunks[k]
+            if start == stop:
+                return []
+            seeded = sampling if sampling.seed is None else dataclasses.replace(
+                sampling, seed=sampling.seed + start * n)
+            return self.engines[k].generate(prompt_token_ids[start:stop], n, seeded)
+
+        futures = [self._pool.submit(run, k) for k in range(len(self.engines))]
+        groups: list[list[Sample]] = []
+        for k, fut in enumerate(futures):
+            try:
+                groups.extend(fut.result())
+            except BaseException as e:
+                for other, f in zip(self.engines, futures):  # stop the rest, then report this one
+                    if not f.done():
+                        with suppress(Exception):
+                            other.abort()
+                for f in futures:
+                    with suppress(BaseException):
+                        f.result()
+                raise EngineGroupError(f"generate failed on rollout engine {self.names[k]}: {e}") from e
+        return groups
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        queues = [queue.Queue(maxsize=_QUEUE_DEPTH) for _ in self.engines]
+        stop = threading.Event()
+
+        def drain(q: queue.Queue) -> Iterator[tuple[str, torch.Tensor]]:
+            while (item := q.get()) is not _END:
+                yield item
+
+        def consume(k: int) -> None:
+            try:
+                self.engines[k].update_weights(drain(queues[k]))
+            except BaseException:
+                stop.set()
+                raise
+
+        futures = [self._pool.submit(consume, k) for k in range(len(self.engines))]
+        try:
+            for item in named_tensors:
+                for q, fut in zip(queues, futures):
+                    _put(q, item, fut)
+                if stop.is_set():
+                    break
+        finally:
+            for q, fut in zip(queues, futures):
+                _put(q, _END, fut)
+        self._results(futures, "update_weights")
+
+    def _results(self, futures: list, what: str) -> None:
+        failure = None
+        for name, fut in zip(self.names, futures):
+            try:
+                fut.result()
+            except BaseException as e:  # noqa: BLE001
+                failure = failure or (name, e)
+        if failure is not None:
+            name, e = failure
+            raise EngineGroupError(f"{what} failed on rollout engine {name}: {e}") from e
+
+    def sleep(self) -> None:
+        self._all(lambda e: e.sleep(), "sleep")
+
+    def wake(self) -> None:
+        self._all(lambda e: e.wake(), "wake")
+
+    def abort(self) -> None:
+        self._all(lambda e: e.abort(), "abort")
+
+    def health(self) -> bool:
+        return all(self._all(lambda e: e.health(), "health"))
+
+    def shutdown(self) -> None:
+        try:
+            self._all(lambda e: e.shutdown(), "shutdown")
+        finally:
+            self._pool.shutdown(wait=False)
+
+
+def _put(q: queue.Queue, item: Any, consumer: Any) -> None:
+    """Put `item` unless the queue's consumer has finished (it failed: nobody will read the queue)."""
+    while not consumer.done():
+        try:
+            q.put(item, timeout=0.1)
+            return
+        except queue.Full:
+            continue
