@@ -149,10 +149,11 @@ def hf(models):
 
 
 def _teacher_forced(model, prompt: list[int], response: list[int]) -> torch.Tensor:
-    ids = torch.tensor([prompt + response])
+    ids = torch.tensor([prompt + response], device=model.device)
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+    picked = torch.log_softmax(logits, -1).gather(-1, torch.tensor(response, device=model.device)[:, None])
+    return picked[:, 0].cpu()
 
 
 def _max_logprob_diff(model, groups) -> float:
