@@ -89,9 +89,10 @@ class SGLangConfig:
     """Fraction of GPU memory SGLang takes for weights + KV cache when colocated."""
     tensor_parallel: int = 1
     """TP size of each SGLang server (one server per rollout TP group)."""
-    num_servers: int = 1
-    """Servers the driver launches, one per rollout TP group: server k uses devices k*TP .. k*TP+TP-1
-    and port base_port + k; prompts are split evenly across them, weight updates go to all."""
+    num_servers: int = 0
+    """SGLang servers per node, one per rollout TP group (0 = fill the node: visible GPUs // TP, one on
+    CPU). Server k uses GPUs k*TP .. k*TP+TP-1; prompts are split evenly over all servers of the job,
+    weight updates go to every one."""
     base_port: int = 30000
     """First port; server k listens on base_port + k, bound to 127.0.0.1."""
     startup_timeout_s: float = 600.0
@@ -402,7 +403,6 @@ def _problems(cfg: Config) -> list[str]:
                   "actor.micro_batch_tokens": cfg.actor.micro_batch_tokens,
                   "actor.logprob_micro_batch_tokens": cfg.actor.logprob_micro_batch_tokens,
                   "rollout.weight_sync_bucket_mb": r.weight_sync_bucket_mb,
-                  "rollout.sglang.num_servers": r.sglang.num_servers,
                   "eval.n_samples": cfg.eval.n_samples, "optimizer.lr": o.lr})
     if a.group_size < 2:
         p.append(f"algo.group_size={a.group_size}: group advantages need G >= 2")
@@ -433,6 +433,8 @@ def _problems(cfg: Config) -> list[str]:
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not os.path.isdir(resume):
         p.append(f"checkpoint.resume={resume!r} must be auto, none or an existing checkpoint folder")
+    if r.sglang.num_servers < 0:
+        p.append(f"rollout.sglang.num_servers={r.sglang.num_servers} must be >= 0 (0 = fill the node)")
     if cfg.checkpoint.keep_last < 1:
         p.append(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
     return p

@@ -27,6 +27,8 @@ class LaunchEnv:
     local_rank: int
     master_addr: str
     master_port: int
+    node_rank: int = 0
+    """Which node this process runs on (torchrun's GROUP_RANK, Slurm's SLURM_NODEID)."""
 
 
 def launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
@@ -34,12 +36,13 @@ def launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     env = dict(os.environ if environ is None else environ)
     if "RANK" in env and "WORLD_SIZE" in env:
         return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)))
+                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)),
+                         int(env.get("GROUP_RANK", env.get("SLURM_NODEID", 0))))
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", ""))
         port = int(env.get("MASTER_PORT") or 29500 + int(env.get("SLURM_JOB_ID", "0")) % 10000)
         return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
-                         int(env.get("SLURM_LOCALID", 0)), addr, port)
+                         int(env.get("SLURM_LOCALID", 0)), addr, port, int(env.get("SLURM_NODEID", 0)))
     return LaunchEnv(0, 1, 0, "127.0.0.1", free_port())
 
 

@@ -318,9 +318,14 @@ def make_plan(cfg: Config, spec: Any, hw: Hardware, *, model_source: str = "", c
     rollout_phase_total = 0.0
     if r.engine == "sglang":
         stp = sg.tensor_parallel
-        engines = world // stp if world % stp == 0 else 0
+        nodes = max(world // hw.gpus_per_node, 1)
+        per_node = sg.num_servers or max(hw.gpus_per_node // stp, 1)
+        engines = nodes * per_node if world % stp == 0 else 0
         if world % stp:
             problems.append(f"rollout.sglang.tensor_parallel={stp} does not divide the {world} GPUs")
+        if per_node * stp > hw.gpus_per_node:
+            problems.append(f"rollout.sglang.num_servers={per_node} x tensor_parallel={stp} needs "
+                            f"{per_node * stp} GPUs per node; a node has {hw.gpus_per_node}")
         if r.colocate and hw.gpus_per_node % stp:
             problems.append(f"rollout.sglang.tensor_parallel={stp} must divide "
                             f"gpus_per_node={hw.gpus_per_node} "
@@ -339,7 +344,7 @@ def make_plan(cfg: Config, spec: Any, hw: Hardware, *, model_source: str = "", c
         per_engine = math.ceil(round_seqs / engines) if engines else 0
         rollout.update({
             "sglang_tp": stp, "engines": engines,
-            "engines_per_node": hw.gpus_per_node // stp if engines else 0,
+            "engines_per_node": per_node if engines else 0,
             "weights": sg_weights, "static_pool": sg_static, "kv_pool": kv_pool,
             "kv_bytes_per_token_engine": kv_per_token_engine, "kv_bytes_per_token_gpu": kv_per_token_gpu,
             "kv_pool_tokens_per_engine": pool_tokens, "max_sequence_tokens": seq,

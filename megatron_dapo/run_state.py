@@ -4,6 +4,7 @@ train.py reads as the algorithm. Rank 0 is the rollout driver; all ranks train."
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import time
@@ -64,6 +65,8 @@ class RunState:
     hf_dir: str
     start_step: int = 0
     samples_generated: int = 0
+    servers: Any = None
+    """SGLang: the servers this rank started (a node leader's), stopped by finish()."""
     _times: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     _bar: Any = None
 
@@ -236,6 +239,8 @@ class RunState:
             self._bar.close()
         if self.engine is not None:
             self.engine.shutdown()
+        if self.servers is not None:
+            self.servers.shutdown()
 
 
 def build_run(cfg: Config) -> RunState:
@@ -254,25 +259,33 @@ def build_run(cfg: Config) -> RunState:
     if cfg.model.load:
         load_checkpoint(actor, cfg.model.load, load_optimizer=False, load_rng=False)
     driver = parallel.is_main()
+    servers = _start_sglang(cfg, hf_dir) if cfg.rollout.engine == "sglang" else None
+    engine = servers.engine if servers is not None else _embedded_engine(hf_dir) if driver else None
     run = RunState(
-        cfg=cfg, actor=actor, tokenizer=AutoTokenizer.from_pretrained(hf_dir),
-        engine=_build_engine(cfg, hf_dir) if driver else None,
+        cfg=cfg, actor=actor, tokenizer=AutoTokenizer.from_pretrained(hf_dir), engine=engine,
         prompts=_train_prompts(cfg) if driver else None,
         val_prompts=_val_prompts(cfg) if driver else [],
         writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver),
         alarms=Alarms(cfg.logging, cfg.rollout.max_response_len),
-        ckpt_root=Path(cfg.checkpoint.dir) / cfg.logging.run_name, hf_dir=hf_dir)
+        ckpt_root=Path(cfg.checkpoint.dir) / cfg.logging.run_name, hf_dir=hf_dir,
+        servers=dataclasses.replace(servers, engine=None) if servers is not None else None)
     _maybe_resume(run)
     if run.start_step > 0 or cfg.model.load:
         run.sync_weights()  # the engine started from hf_dir; give it the trained weights
     return run
 
 
-def _build_engine(cfg: Config, hf_dir: str) -> RolloutEngine:
-    if cfg.rollout.engine == "sglang":
-        from megatron_dapo.rollout.sglang_engine import launch_servers
+def _start_sglang(cfg: Config, hf_dir: str):
+    """Every rank: node leaders start SGLang servers; global rank 0 gets the engine over all of them."""
+    from megatron_dapo.actor.model import param_dtype
+    from megatron_dapo.rollout.sglang_launch import start_job_servers
 
-        return launch_servers(hf_dir, cfg.rollout.sglang, bucket_mb=cfg.rollout.weight_sync_bucket_mb)
+    # the actor's dtype, not SGLang's "auto" (which serves a float32 checkpoint in float16)
+    dtype = str(param_dtype(cfg.model)).removeprefix("torch.")
+    return start_job_servers(hf_dir, cfg.rollout.sglang, bucket_mb=cfg.rollout.weight_sync_bucket_mb, dtype=dtype)
+
+
+def _embedded_engine(hf_dir: str) -> RolloutEngine:
     from megatron_dapo.rollout.embedded import EmbeddedEngine
 
     return EmbeddedEngine(hf_dir)

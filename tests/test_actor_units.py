@@ -89,7 +89,10 @@ def test_launch_env_torchrun_slurm_and_alone():
                      "MASTER_PORT": "29600"})
     assert (sl.rank, sl.world_size, sl.local_rank, sl.master_addr, sl.master_port) == (5, 16, 5, "node7", 29600)
     alone = launch_env({})
-    assert (alone.rank, alone.world_size) == (0, 1)
+    assert (alone.rank, alone.world_size, alone.node_rank) == (0, 1, 0)
+    assert tr.node_rank == 0 and sl.node_rank == 0
+    assert launch_env({"RANK": "9", "WORLD_SIZE": "16", "GROUP_RANK": "1"}).node_rank == 1
+    assert launch_env({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_NODEID": "2"}).node_rank == 2
 
 
 def test_cpu_layer_maps_cuda_to_cpu_only_without_cuda(python_env):

@@ -64,7 +64,9 @@ def test_actor_memory_per_gpu_16x8(plan16):
 
 def test_rollout_kv_cache_16x8(plan16):
     ro = plan16.memory["rollout_phase"]
-    assert ro["engines"] == 128 // 4 and ro["engines_per_node"] == 2
+    assert ro["engines"] == 128 // 4 and ro["engines_per_node"] == 2  # num_servers=0: fill each node
+    one = plan_for(16, overrides=["rollout.sglang.num_servers=1"]).memory["rollout_phase"]
+    assert one["engines"] == 16 and one["engines_per_node"] == 1
     assert ro["kv_bytes_per_token_engine"] == 2 * L * 8 * 128 * 2 == 262_144
     assert ro["kv_bytes_per_token_gpu"] == 2 * L * (8 // 4) * 128 * 2 == 65_536
     assert ro["weights"] == 2 * PARAMS_32B / 4
@@ -103,6 +105,7 @@ def test_32b_fits_on_16_nodes_not_on_one(plan16):
     (["train.mini_batch_size=8"], 16, "must divide by DP=16"),
     (["rollout.sglang.tensor_parallel=3"], 3, "must divide gpus_per_node=8"),
     (["rollout.sglang.mem_fraction_static=0.15"], 16, "do not fit in mem_fraction_static"),
+    (["rollout.sglang.num_servers=3"], 16, "num_servers=3 x tensor_parallel=4 needs 12 GPUs per node"),
     (["rollout.sglang.mem_fraction_static=0.2"], 16, "cannot hold one worst-case sequence"),
     (["actor.offload_when_idle=false"], 16, "rollout phase needs"),
     (["actor.optimizer.distributed_optimizer=false"], 16, "train phase needs"),

@@ -100,3 +100,135 @@ def test_two_real_servers_split_prompts_and_both_take_weight_updates(sglang_pyth
     finally:
         group.shutdown()
     assert all(_gone(pid) for pid in pids)
+
+
+@pytest.mark.sglang
+@SGLANG_TIMEOUT
+def test_trainer_with_two_sglang_servers(sglang_python, tmp_path, python_env):
+    """The DAPO loop end to end on real SGLang servers: colocated sleep/wake, weight sync to both servers
+    after every step, and the servers' logprobs equal the actor's on the tokens they sampled."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "tools"))
+    from make_tiny_base import ensure_tiny_base
+    from test_train import scalars
+
+    base = ensure_tiny_base(tmp_path / "tiny_base", seconds=8)
+    cmd = [sys.executable, "-m", "megatron_dapo.train", "--config", str(repo / "examples/configs/tiny_cpu.yaml"),
+           f"model.hf_dir={base}", f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path / 'tb'}",
+           "logging.run_name=sglang2", "rollout.engine=sglang", "rollout.sglang.num_servers=2",
+           f"rollout.sglang.base_port={_two_free_ports()}", "train.steps=2", "train.prompt_batch_size=8",
+           "train.mini_batch_size=4", "algo.group_size=4", "eval.n_samples=2", "eval.max_prompts=16",
+           "eval.every_steps=2", "checkpoint.save_every=0", "checkpoint.export_hf=false"]
+    env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+    assert r.returncode == 0, r.stderr[-6000:]
+    tb = scalars(tmp_path / "tb" / "sglang2")
+    assert set(tb["train/reward_mean"]) == {1, 2} and set(tb["val/acc_avg_at_k"]) == {0, 2}
+    assert max(tb["rollout/train_rollout_logprob_absdiff"].values()) < 1e-4
+    assert min(tb["perf/weight_sync_bytes"].values()) > 0
+
+
+@pytest.mark.sglang
+@SGLANG_TIMEOUT
+def test_two_nodes_each_start_a_server_and_rank0_drives_both(sglang_python, tmp_path, python_env):
+    """Two trainer ranks posing as two nodes (GROUP_RANK 0 and 1): each node's leader starts its own
+    server; rank 0 drives both, its own with the tensor transport and node 1's attached, updated by a
+    gloo broadcast. After each step's sync, both servers' logprobs equal the actor's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_dapo.parallel import free_port as free_master_port
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "tools"))
+    from make_tiny_base import ensure_tiny_base
+    from test_train import scalars
+
+    base = ensure_tiny_base(tmp_path / "tiny_base", seconds=8)
+    cmd = [sys.executable, "-m", "megatron_dapo.train", "--config", str(repo / "examples/configs/tiny_cpu.yaml"),
+           f"model.hf_dir={base}", f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path / 'tb'}",
+           "logging.run_name=nodes2", "rollout.engine=sglang", f"rollout.sglang.base_port={_two_free_ports()}",
+           "parallel.backend=gloo", "train.steps=2", "train.prompt_batch_size=8", "train.mini_batch_size=4",
+           "algo.group_size=4", "eval.every_steps=0", "checkpoint.save_every=0", "checkpoint.export_hf=false"]
+    master = str(free_master_port())
+    procs = []
+    for rank in range(2):
+        env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python, "RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_RANK": "0", "GROUP_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master,
+               "DAPO_NODE_ADDR": "127.0.0.1"}
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=1200)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n=====\n".join(o[-5000:] for o in outs)
+    line = next(x for x in outs[0].splitlines() if "SGLang servers:" in x)
+    assert "(tensor)" in line and "(distributed, attached)" in line, line
+    tb = scalars(tmp_path / "tb" / "nodes2")
+    assert set(tb["train/reward_mean"]) == {1, 2}
+    assert max(tb["rollout/train_rollout_logprob_absdiff"].values()) < 1e-4
+
+
+def _job_worker(rank, world, master_port, exe, root, base_port, block_node1):
+    import json
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", GROUP_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), DAPO_NODE_ADDR="127.0.0.1",
+                      FAKE_SGLANG_MODE="serve")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron_dapo.rollout.sglang_launch import start_job_servers
+
+    blocker = None
+    if block_node1 and rank == 1:
+        blocker = socket.socket()
+        blocker.bind(("127.0.0.1", base_port + 1))
+        blocker.listen()
+    out: dict = {}
+    try:
+        job = start_job_servers(root, SGLangConfig(base_port=base_port), python=exe, device="cpu",
+                                log_dir=Path(root) / "logs", shutdown_grace_s=2)
+        eng = job.engine
+        out["owned"] = [e.url for e in job.owned]
+        if eng is not None:
+            parts = eng.engines if isinstance(eng, EngineGroup) else [eng]
+            out["engine"] = [(e.url, e.cfg.weight_sync, e.attached, e.trainer_host) for e in parts]
+            out["healthy"] = eng.health()
+        dist.barrier()
+        job.shutdown()
+    except SGLangServerError as e:
+        out["error"] = str(e)
+    finally:
+        if blocker is not None:
+            blocker.close()
+    Path(root, f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("block_node1", [False, True], ids=["both_start", "node1_fails"])
+def test_every_node_leader_starts_servers_and_rank0_attaches(fake_exe, tmp_path, block_node1):
+    import json
+
+    from spawn import run_ranks
+
+    port = _two_free_ports()
+    run_ranks(_job_worker, str(fake_exe), str(tmp_path), port, block_node1, timeout_s=180)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    if block_node1:  # every rank fails, naming the node that could not start its server
+        for r in (r0, r1):
+            assert "node 1 (127.0.0.1)" in r["error"] and "port is already in use" in r["error"]
+        return
+    local, remote = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"
+    assert r0["engine"] == [[local, "tensor", False, "127.0.0.1"], [remote, "distributed", True, "127.0.0.1"]]
+    assert r0["healthy"] and r0["owned"] == [] and r1["owned"] == [remote] and "engine" not in r1

@@ -155,6 +155,11 @@ class SGLangEngine(RolloutEngine):
     no server behind; create engines in a long-lived thread, or pass False). With `wait=False` the
     constructor only starts the process; call `wait_ready()` before using it.
 
+    `attach=True` drives a server that another process started (e.g. another node's leader rank) at
+    host:port: nothing is launched or killed here, and a dead server shows as failing HTTP calls.
+    `trainer_host`: the address this process listens on for the "distributed" weight transport
+    (default `host`; a remote server must be able to reach it).
+
     `seed` in SamplingParams is passed as SGLang's per-request `sampling_seed` (sample k of a call
     gets seed + k); SGLang honours it only with `--enable-deterministic-inference`.
     """
@@ -178,6 +183,8 @@ class SGLangEngine(RolloutEngine):
         shutdown_grace_s: float = 15.0,
         kill_with_parent: bool = True,
         wait: bool = True,
+        attach: bool = False,
+        trainer_host: str | None = None,
     ) -> None:
         self.cfg = cfg or SGLangConfig()
         self.model_path = str(model_path)
@@ -209,8 +216,12 @@ class SGLangEngine(RolloutEngine):
         self._abort = threading.Event()
         self._versions = itertools.count(1)
         self.last_update = WeightUpdateStats()
+        self.attached = attach
+        self.trainer_host = trainer_host or host
         self._cmd = self._launch_command(dtype, colocate, max_total_tokens, extra_args)
-        self._start()
+        self._started_at = time.monotonic()
+        if not attach:
+            self._start()
         if wait:
             self.wait_ready()
 
@@ -285,10 +296,9 @@ class SGLangEngine(RolloutEngine):
 
     def wait_ready(self) -> None:
         """Wait for /health (up to cfg.startup_timeout_s from the start); on failure stop it and raise."""
-        assert self._proc is not None
         deadline = self._started_at + self.cfg.startup_timeout_s
         while True:
-            if self._proc.poll() is not None:
+            if self._proc is not None and self._proc.poll() is not None:
                 self._closed = True
                 _LIVE_ENGINES.discard(self)
                 raise self._error(f"exited with code {self._proc.returncode} during startup")
@@ -306,7 +316,7 @@ class SGLangEngine(RolloutEngine):
                     f"did not become healthy within {self.cfg.startup_timeout_s:.0f} s; killed it"
                 )
             time.sleep(0.5)
-        self._children = self._child_pids()
+        self._children = self._child_pids() if self._proc is not None else []
 
     def _child_pids(self) -> list[tuple[int, float]]:
         """(pid, start time) of the server's worker processes; the start time guards against PID reuse."""
@@ -330,7 +340,7 @@ class SGLangEngine(RolloutEngine):
     def _dead_reason(self) -> str | None:
         """Why the server cannot answer: its main process exited, or one of its workers died."""
         if self._proc is None:
-            return "was never started"
+            return None if self.attached else "was never started"
         if self._proc.poll() is not None:
             return f"exited with code {self._proc.returncode}"
         for pid, started in self._children:
@@ -364,7 +374,8 @@ class SGLangEngine(RolloutEngine):
 
     def _error(self, what: str) -> SGLangServerError:
         return SGLangServerError(
-            f"SGLang server {self.url} (pid {self.pid}) {what}; log: {self.log_path}\n"
+            f"SGLang server {self.url} ({'attached' if self.attached else f'pid {self.pid}'}) {what}; "
+            f"log: {self.log_path}\n"
             f"--- last lines of {self.log_path} ---\n{self.log_tail()}"
         )
 
@@ -634,11 +645,11 @@ class SGLangEngine(RolloutEngine):
         if self._pg is not None:
             return
         backend = "nccl" if self.device == "cuda" else "gloo"
-        port = free_port(self.host)
+        port = free_port(self.trainer_host)
         world = 1 + self.cfg.tensor_parallel
         name = f"{self._group_name}_{next(self._group_ids)}"
         body = {
-            "master_address": self.host,
+            "master_address": self.trainer_host,
             "master_port": port,
             "rank_offset": 1,
             "world_size": world,
@@ -649,7 +660,7 @@ class SGLangEngine(RolloutEngine):
         self._pg = self._alongside_server(
             "/init_weights_update_group",
             body,
-            lambda: _init_custom_process_group(backend, self.host, port, world, 0, name, timeout),
+            lambda: _init_custom_process_group(backend, self.trainer_host, port, world, 0, name, timeout),
         )
         self._pg_name = name
 
