@@ -14,6 +14,7 @@ log = logging.getLogger(__name__)
 
 SUMMARY_CURVES = ("response_length/mean", "train/reward_mean", "actor/entropy", "actor/mean_token_prob",
                   "val/acc_avg_at_k")
+PLOTTED = SUMMARY_CURVES + ("rollout/kept_group_frac",)
 
 
 @dataclass
@@ -55,7 +56,8 @@ class MetricsWriter:
     def __init__(self, logdir: str | Path, enabled: bool = True):
         self.logdir = Path(logdir)
         self.enabled = enabled
-        self.history: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        self.history: dict[str, dict[int, float]] = defaultdict(dict)
+        """tag -> step -> value (a replayed step overwrites)."""
         self._writer = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
@@ -69,8 +71,23 @@ class MetricsWriter:
         for tag, value in scalars.items():
             value = float(value)
             self._writer.add_scalar(tag, value, step)
-            self.history[tag].append((step, value))
+            self.history[tag][step] = value
         self._writer.flush()
+
+    def load_history(self, until_step: int) -> None:
+        """After a resume: take the plotted curves up to `until_step` from the run's earlier event files,
+        so the summary covers the whole run, not only the steps since the resume."""
+        if not self.enabled:
+            return
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        for f in sorted(self.logdir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime):
+            ea = EventAccumulator(str(f), size_guidance={"scalars": 0})
+            ea.Reload()
+            for tag in set(PLOTTED) & set(ea.Tags()["scalars"]):
+                for e in ea.Scalars(tag):
+                    if e.step <= until_step:  # files in write order: a replayed step's last value wins
+                        self.history[tag][e.step] = e.value
 
     def summary_png(self, path: str | Path | None = None) -> Path | None:
         """A 2x3 grid of the dynamics the paper monitors (§4.3), next to the event files."""
@@ -82,8 +99,8 @@ class MetricsWriter:
         import matplotlib.pyplot as plt
 
         fig, axes = plt.subplots(2, 3, figsize=(13, 7))
-        for ax, tag in zip(axes.flat, SUMMARY_CURVES + ("rollout/kept_group_frac",)):
-            points = self.history.get(tag, [])
+        for ax, tag in zip(axes.flat, PLOTTED):
+            points = sorted(self.history.get(tag, {}).items())
             if points:
                 ax.plot(*zip(*points), marker="." if len(points) < 50 else None)
             ax.set_title(tag)

@@ -326,5 +326,6 @@ def _maybe_resume(run: RunState) -> None:
     run.alarms.load_state_dict(trainer.get("alarms", {}))
     run.samples_generated = int(trainer.get("samples_generated", 0))
     run.start_step = int(extra["step"])
+    run.writer.load_history(run.start_step)
     if run.is_driver:
         log.info("resumed from %s (step %d)", path, run.start_step)

@@ -130,3 +130,25 @@ def test_full_tiny_run(tmp_path, python_env):
     assert (tmp_path / "tb" / "tiny_cpu" / "summary.png").is_file()
     assert (tmp_path / "ckpt" / "tiny_cpu" / "hf_final" / "model.safetensors").is_file()
     print(f"tiny run: {minutes:.1f} min, val avg@4 {val[0]:.3f} -> {val[40]:.3f}")
+
+
+def test_summary_after_a_resume_covers_the_whole_run(tmp_path):
+    """MetricsWriter.load_history: curves from the earlier event files up to the resumed step, the last
+    written value winning for a replayed step, then the new steps."""
+    from megatron_dapo.metrics import MetricsWriter
+
+    first = MetricsWriter(tmp_path)
+    for step in (1, 2, 3):
+        first.write(step, {"train/reward_mean": float(step), "actor/grad_norm": 9.0})
+    first.close()
+    time.sleep(0.05)  # event files are ordered by modification time
+    replay = MetricsWriter(tmp_path)
+    replay.write(3, {"train/reward_mean": 30.0})  # a step replayed after a crash
+    replay.close()
+    resumed = MetricsWriter(tmp_path)
+    resumed.load_history(until_step=3)
+    resumed.write(4, {"train/reward_mean": 4.0})
+    assert resumed.history["train/reward_mean"] == {1: 1.0, 2: 2.0, 3: 30.0, 4: 4.0}
+    assert "actor/grad_norm" not in resumed.history  # only the plotted curves are read back
+    assert resumed.summary_png() == tmp_path / "summary.png" and (tmp_path / "summary.png").is_file()
+    resumed.close()
