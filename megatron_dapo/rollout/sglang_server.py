@@ -1,0 +1,380 @@
+"""One `sglang.launch_server` process and its HTTP API, with every wait bounded.
+
+`SGLangServer` starts the server from its own python (`python=`; on CPU the venv that
+`tools/sglang_venv.sh` builds), bound to `host` (127.0.0.1 unless remote ranks need it), with
+`--skip-tokenizer-init`; or attaches to one another process started. Every HTTP call has a timeout and
+runs while the server's process tree is watched: a server that exits, or does not answer in time,
+raises `SGLangServerError` naming the address, the PID and the log file, with the log's last lines.
+`SGLangEngine` (sglang_engine.py) adds the rollout API on top.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from collections.abc import Sequence
+from contextlib import suppress
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from megatron_dapo.config import SGLangConfig
+from megatron_dapo.rollout.base import EngineStateError
+from megatron_dapo.rollout.sglang_wire import _parent_death_signal_setter
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VENV_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+"""KV-cache size on CPU when none is given (SGLang's own default there is ~15 GB of RAM)."""
+_LOG_TAIL_LINES = 30
+
+
+class SGLangServerError(RuntimeError):
+    """The SGLang server died, did not start, did not answer in time, or refused a request."""
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+def default_python() -> str:
+    """The python that runs the server: $MEGATRON_DAPO_SGLANG_PYTHON, else the venv of
+    tools/sglang_venv.sh ($MEGATRON_DAPO_SGLANG_VENV or the repo's .venv-sglang) if built, else ours."""
+    if os.environ.get("MEGATRON_DAPO_SGLANG_PYTHON"):
+        return os.environ["MEGATRON_DAPO_SGLANG_PYTHON"]
+    venv = os.environ.get("MEGATRON_DAPO_SGLANG_VENV")
+    candidate = Path(venv) / "bin" / "python" if venv else DEFAULT_VENV_PYTHON
+    return str(candidate) if candidate.exists() else sys.executable
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex((host, port)) == 0
+
+
+class SGLangServer:
+    """The server process (or an attached one) and bounded HTTP calls to it; see SGLangEngine for the
+    constructor's arguments."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        cfg: SGLangConfig | None = None,
+        *,
+        python: str | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        server_index: int = 0,
+        dtype: str = "auto",
+        device: Literal["auto", "cpu", "cuda"] = "auto",
+        colocate: bool = True,
+        max_total_tokens: int | None = None,
+        log_dir: str | Path | None = None,
+        extra_args: Sequence[str] = (),
+        shutdown_grace_s: float = 15.0,
+        kill_with_parent: bool = True,
+        wait: bool = True,
+        attach: bool = False,
+    ) -> None:
+        self.cfg = cfg or SGLangConfig()
+        self.model_path = str(model_path)
+        self.python = python or default_python()
+        self.host = host
+        self.port = int(port if port is not None else self.cfg.base_port + server_index)
+        self.server_index = server_index
+        self.url = f"http://{host}:{self.port}"
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = device
+        self.shutdown_grace_s = shutdown_grace_s
+        self.kill_with_parent = kill_with_parent
+        log_dir = (
+            Path(log_dir) if log_dir is not None else Path(tempfile.gettempdir()) / "megatron-dapo-sglang"
+        )
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"sglang-{host}-{self.port}.log"
+        self._closed = False
+        self._proc: subprocess.Popen | None = None
+        self._children: list[tuple[int, float]] = []
+        self.attached = attach
+        self._cmd = self._launch_command(dtype, colocate, max_total_tokens, extra_args)
+        self._started_at = time.monotonic()
+        if not attach:
+            self._start()
+        if wait:
+            self.wait_ready()
+
+    # ------------------------------------------------------------------------------- lifecycle
+
+    def _launch_command(
+        self, dtype: str, colocate: bool, max_total_tokens: int | None, extra_args: Sequence[str]
+    ) -> list[str]:
+        user = shlex.split(self.cfg.extra_args) + list(extra_args)
+        cmd = [
+            self.python,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--skip-tokenizer-init",
+            "--dtype",
+            dtype,
+            "--tp-size",
+            str(self.cfg.tensor_parallel),
+        ]
+        if self.device == "cpu":
+            cmd += [
+                "--device",
+                "cpu",
+                "--attention-backend",
+                "torch_native",
+                "--cuda-graph-backend-decode=disabled",
+                "--cuda-graph-backend-prefill=disabled",
+            ]
+            if max_total_tokens is None and not any(a.startswith("--max-total-tokens") for a in user):
+                max_total_tokens = CPU_DEFAULT_MAX_TOTAL_TOKENS
+        else:
+            cmd += ["--mem-fraction-static", str(self.cfg.mem_fraction_static),
+                    "--base-gpu-id", str(self.server_index * self.cfg.tensor_parallel)]
+            if colocate:
+                cmd.append("--enable-memory-saver")
+        if max_total_tokens is not None:
+            cmd += ["--max-total-tokens", str(max_total_tokens)]
+        return cmd + user
+
+    def _server_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if Path(self.python).resolve() != Path(sys.executable).resolve():
+            env.pop("PYTHONPATH", None)  # never leak this interpreter's packages into the server's
+            env.pop("PYTHONHOME", None)
+        if self.device == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+        return env
+
+    def _start(self) -> None:
+        if _port_in_use(self.host, self.port):
+            raise SGLangServerError(f"cannot start SGLang server at {self.url}: the port is already in use")
+        with open(self.log_path, "wb") as log:
+            log.write(("$ " + shlex.join(self._cmd) + "\n").encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self._cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._server_env(),
+                start_new_session=True,
+                preexec_fn=_parent_death_signal_setter() if self.kill_with_parent else None,
+            )
+        _LIVE_SERVERS.add(self)
+        self._started_at = time.monotonic()
+
+    def wait_ready(self) -> None:
+        """Wait for /health (up to cfg.startup_timeout_s from the start); on failure stop it and raise."""
+        deadline = self._started_at + self.cfg.startup_timeout_s
+        while True:
+            if self._proc is not None and self._proc.poll() is not None:
+                self._closed = True
+                _LIVE_SERVERS.discard(self)
+                raise self._error(f"exited with code {self._proc.returncode} during startup")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self._kill()
+                self._closed = True
+                _LIVE_SERVERS.discard(self)
+                raise self._error(
+                    f"did not become healthy within {self.cfg.startup_timeout_s:.0f} s; killed it"
+                )
+            time.sleep(0.5)
+        self._children = self._child_pids() if self._proc is not None else []
+
+    def _child_pids(self) -> list[tuple[int, float]]:
+        """(pid, start time) of the server's worker processes; the start time guards against PID reuse."""
+        try:
+            import psutil
+
+            return [(c.pid, c.create_time()) for c in psutil.Process(self._proc.pid).children(recursive=True)]
+        except Exception:
+            return []
+
+    @staticmethod
+    def _same_process(pid: int, started: float) -> bool:
+        try:
+            import psutil
+
+            p = psutil.Process(pid)
+            return abs(p.create_time() - started) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE
+        except Exception:
+            return False
+
+    def _dead_reason(self) -> str | None:
+        """Why the server cannot answer: its main process exited, or one of its workers died."""
+        if self._proc is None:
+            return None if self.attached else "was never started"
+        if self._proc.poll() is not None:
+            return f"exited with code {self._proc.returncode}"
+        for pid, started in self._children:
+            if not self._same_process(pid, started):
+                return f"worker process {pid} died"
+        return None
+
+    def _dead_reason_settled(self, connection_failed: bool = False) -> str | None:
+        """As _dead_reason, but give a dying main process a moment so its exit code is what we report
+        (a killed server closes its sockets a moment before it can be reaped)."""
+        reason = self._dead_reason()
+        if (connection_failed or (reason or "").startswith("worker")) and self._proc is not None:
+            with suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=1.0)
+            reason = self._dead_reason()
+        return reason
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 64 * 1024))
+                text = f.read().decode(errors="replace")
+        except OSError as e:
+            return f"(cannot read the log: {e})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _error(self, what: str) -> SGLangServerError:
+        return SGLangServerError(
+            f"SGLang server {self.url} ({'attached' if self.attached else f'pid {self.pid}'}) {what}; "
+            f"log: {self.log_path}\n"
+            f"--- last lines of {self.log_path} ---\n{self.log_tail()}"
+        )
+
+    def _kill(self) -> None:
+        """SIGTERM the server's process group, SIGKILL it after the grace period; by PID, never by name."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=self.shutdown_grace_s)
+        for pid, started in self._children:  # workers that left the group or outlived the parent
+            if self._same_process(pid, started):
+                with suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+    def shutdown(self) -> None:
+        """Stop the server (an attached one is only let go); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._kill()
+        _LIVE_SERVERS.discard(self)
+
+    # ------------------------------------------------------------------------------------ http
+
+    def _http(self, method: str, path: str, body: Any, timeout: float) -> tuple[int, bytes]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def _call(self, method: str, path: str, body: Any = None, *, timeout: float) -> Any:
+        """One HTTP call with a hard deadline, watching the server's processes while it runs."""
+        if self._closed:
+            raise EngineStateError(f"SGLang engine {self.url} is shut down")
+        result: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                result["response"] = self._http(method, path, body, timeout)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                result["error"] = e
+
+        worker = threading.Thread(target=work, name=f"sglang-http{path}", daemon=True)
+        worker.start()
+        deadline = time.monotonic() + timeout
+        while worker.is_alive():
+            worker.join(min(1.0, max(0.0, deadline - time.monotonic())))
+            if not worker.is_alive():
+                break
+            dead = self._dead_reason_settled()
+            if dead is not None:
+                raise self._error(f"{dead} while serving {method} {path}")
+            if time.monotonic() >= deadline:
+                raise self._error(f"did not answer {method} {path} within {timeout:.0f} s")
+        if "error" in result:
+            dead = self._dead_reason_settled(connection_failed=True)
+            if dead is not None:
+                raise self._error(f"{dead} while serving {method} {path}") from result["error"]
+            err = result["error"]
+            if isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError):
+                raise self._error(f"did not answer {method} {path} within {timeout:.0f} s") from err
+            raise self._error(f"failed {method} {path}: {err!r}") from err
+        status, raw = result["response"]
+        text = raw.decode(errors="replace")
+        if status != 200:
+            raise self._error(f"answered {method} {path} with HTTP {status}: {text[:2000]}")
+        try:
+            return json.loads(text) if text else None
+        except json.JSONDecodeError:
+            return text
+
+    def _post(self, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
+        out = self._call(
+            "POST",
+            path,
+            {} if body is None else body,
+            timeout=self.cfg.request_timeout_s if timeout is None else timeout,
+        )
+        if isinstance(out, dict) and out.get("success") is False:
+            raise self._error(f"refused POST {path}: {out.get('message')}")
+        return out
+
+
+_LIVE_SERVERS: weakref.WeakSet[SGLangServer] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_servers() -> None:
+    """Never leave a server running after the trainer exits (it would hold a core and RAM)."""
+    for server in list(_LIVE_SERVERS):
+        with suppress(Exception):
+            server.shutdown()
