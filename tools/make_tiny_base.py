@@ -233,7 +233,8 @@ def train(
     recent: list[float] = []
     steps, time_limited = 0, False
     start = time.monotonic()
-    bar = tqdm(total=settings.max_steps, desc="warm-start", unit="step", disable=not progress, leave=True)
+    bar = tqdm(total=settings.max_steps, desc="warm-start", unit="step", disable=not progress, leave=True,
+               mininterval=0.1 if sys.stderr.isatty() else 10.0)  # a log file gets a line per 10 s
     with bar:
         while steps < settings.max_steps:
             elapsed = time.monotonic() - start
