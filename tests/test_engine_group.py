@@ -9,7 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_dapo.rollout import EmbeddedEngine, SamplingParams
 from megatron_dapo.rollout.base import RolloutEngine
-from megatron_dapo.rollout.engine_group import EngineGroup, EngineGroupError, split_evenly
+from megatron_dapo.rollout.engine_group import EngineGroup, EngineGroupError, split_evenly, split_weighted
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -28,6 +28,25 @@ def test_split_evenly_covers_in_order(count, parts):
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     sizes = [b - a for a, b in bounds]
     assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("count, weights, sizes", [
+    (9, [1, 2], [3, 6]), (10, [1, 2], [3, 7]), (7, [2, 1, 1], [3, 2, 2]), (1, [1, 3], [0, 1]), (0, [1, 1], [0, 0]),
+])
+def test_split_weighted_is_proportional(count, weights, sizes):
+    bounds = split_weighted(count, weights)
+    assert [b - a for a, b in bounds] == sizes
+    assert bounds[0][0] == 0 and bounds[-1][1] == count and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+
+
+def test_nested_group_takes_its_share_and_keeps_seeds():
+    solo, a, b = Recording(), Recording(), Recording()
+    outer = EngineGroup([solo, EngineGroup([a, b])], weights=[1, 2])
+    out = outer.generate(PROMPTS, 2, SamplingParams(seed=10, max_new_tokens=2))
+    assert out == Recording().generate(PROMPTS, 2, SamplingParams(seed=10, max_new_tokens=2))
+    assert [len(e.calls[0][0]) for e in (solo, a, b)] == [2, 2, 2]
+    with pytest.raises(ValueError, match="one positive integer per engine"):
+        EngineGroup([solo, a], weights=[1])
 
 
 def test_group_of_embedded_engines_equals_one_engine():

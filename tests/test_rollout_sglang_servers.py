@@ -20,16 +20,26 @@ from megatron_dapo.rollout.sglang_engine import SGLangEngine, SGLangServerError,
 from megatron_dapo.rollout.sglang_launch import launch_servers
 
 
-def _two_free_ports() -> int:
+def _free_ports(n: int = 2) -> int:
+    """A port P with P .. P+n-1 all free."""
     for _ in range(50):
         port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
+        socks = []
+        try:
+            for k in range(1, n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port + k))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
         return port
-    raise RuntimeError("no two consecutive free ports")
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+_two_free_ports = _free_ports
 
 
 def test_one_server_is_a_plain_engine(fake_exe, tmp_path, monkeypatch):
@@ -104,6 +114,33 @@ def test_two_real_servers_split_prompts_and_both_take_weight_updates(sglang_pyth
 
 @pytest.mark.sglang
 @SGLANG_TIMEOUT
+def test_one_broadcast_updates_several_servers(sglang_python, models, hf, tmp_path):
+    """BroadcastServers: both servers join ONE group (world 1 + 1 + 1) and every bucket is broadcast once."""
+    import torch
+
+    from megatron_dapo.rollout.sglang_broadcast import BroadcastServers
+
+    port = _two_free_ports()
+    servers = [SGLangEngine(models["a"], SGLangConfig(base_port=port, startup_timeout_s=600, request_timeout_s=300),
+                            python=sglang_python, server_index=k, dtype="float32", max_total_tokens=8192,
+                            log_dir=tmp_path / "logs", bucket_mb=1, wait=False) for k in range(2)]
+    group = BroadcastServers(servers, trainer_host="127.0.0.1")
+    group.bucket_bytes = 64 * 1024  # several buckets for this 0.8 MB model
+    try:
+        for s in servers:
+            s.wait_ready()
+        group.update_weights(hf["b"].state_dict().items())
+        assert torch.distributed.get_world_size(group._pg) == 3 and group.last_update.buckets >= 2
+        sampled = group.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=6))
+        assert _max_logprob_diff(hf["b"], sampled[:3]) < 1e-4 and _max_logprob_diff(hf["b"], sampled[3:]) < 1e-4
+        group.update_weights(hf["a"].state_dict().items())  # the group is reused
+        assert _max_logprob_diff(hf["a"], group.generate(PROMPTS, 1, SamplingParams(max_new_tokens=4))) < 1e-4
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.sglang
+@SGLANG_TIMEOUT
 def test_trainer_with_two_sglang_servers(sglang_python, tmp_path, python_env):
     """The DAPO loop end to end on real SGLang servers: colocated sleep/wake, weight sync to both servers
     after every step, and the servers' logprobs equal the actor's on the tokens they sampled."""
@@ -134,10 +171,11 @@ def test_trainer_with_two_sglang_servers(sglang_python, tmp_path, python_env):
 
 @pytest.mark.sglang
 @SGLANG_TIMEOUT
-def test_two_nodes_each_start_a_server_and_rank0_drives_both(sglang_python, tmp_path, python_env):
-    """Two trainer ranks posing as two nodes (GROUP_RANK 0 and 1): each node's leader starts its own
-    server; rank 0 drives both, its own with the tensor transport and node 1's attached, updated by a
-    gloo broadcast. After each step's sync, both servers' logprobs equal the actor's."""
+def test_three_nodes_each_start_a_server_and_rank0_drives_all(sglang_python, tmp_path, python_env):
+    """Three trainer ranks posing as three nodes (GROUP_RANK 0, 1, 2): each node's leader starts its own
+    server; rank 0 drives all three, its own with the tensor transport, nodes 1 and 2 attached and
+    updated by ONE gloo broadcast group. After each step's sync every server's logprobs equal the
+    actor's (the prompts are split across all three)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -152,13 +190,13 @@ def test_two_nodes_each_start_a_server_and_rank0_drives_both(sglang_python, tmp_
     base = ensure_tiny_base(tmp_path / "tiny_base", seconds=8)
     cmd = [sys.executable, "-m", "megatron_dapo.train", "--config", str(repo / "examples/configs/tiny_cpu.yaml"),
            f"model.hf_dir={base}", f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path / 'tb'}",
-           "logging.run_name=nodes2", "rollout.engine=sglang", f"rollout.sglang.base_port={_two_free_ports()}",
-           "parallel.backend=gloo", "train.steps=2", "train.prompt_batch_size=8", "train.mini_batch_size=4",
+           "logging.run_name=nodes3", "rollout.engine=sglang", f"rollout.sglang.base_port={_free_ports(3)}",
+           "parallel.backend=gloo", "train.steps=2", "train.prompt_batch_size=6", "train.mini_batch_size=3",
            "algo.group_size=4", "eval.every_steps=0", "checkpoint.save_every=0", "checkpoint.export_hf=false"]
     master = str(free_master_port())
     procs = []
-    for rank in range(2):
-        env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python, "RANK": str(rank), "WORLD_SIZE": "2",
+    for rank in range(3):
+        env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python, "RANK": str(rank), "WORLD_SIZE": "3",
                "LOCAL_RANK": "0", "GROUP_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master,
                "DAPO_NODE_ADDR": "127.0.0.1"}
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
@@ -171,8 +209,8 @@ def test_two_nodes_each_start_a_server_and_rank0_drives_both(sglang_python, tmp_
             p.kill()
     assert all(p.returncode == 0 for p in procs), "\n=====\n".join(o[-5000:] for o in outs)
     line = next(x for x in outs[0].splitlines() if "SGLang servers:" in x)
-    assert "(tensor)" in line and "(distributed, attached)" in line, line
-    tb = scalars(tmp_path / "tb" / "nodes2")
+    assert "(tensor)" in line and line.count("(one shared broadcast, attached)") == 2, line
+    tb = scalars(tmp_path / "tb" / "nodes3")
     assert set(tb["train/reward_mean"]) == {1, 2}
     assert max(tb["rollout/train_rollout_logprob_absdiff"].values()) < 1e-4
 

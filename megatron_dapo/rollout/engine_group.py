@@ -34,22 +34,37 @@ class EngineGroupError(RuntimeError):
 
 def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
     """`parts` contiguous [start, stop) ranges covering range(count), sizes differing by at most one."""
-    base, extra = divmod(count, parts)
+    return split_weighted(count, [1] * parts)
+
+
+def split_weighted(count: int, weights: Sequence[int]) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) ranges covering range(count), sized in proportion to `weights` (the
+    largest remainders get the leftover items, earlier parts first on ties)."""
+    total = sum(weights)
+    sizes = [count * w // total for w in weights]
+    leftover = count - sum(sizes)
+    by_remainder = sorted(range(len(weights)), key=lambda k: (-(count * weights[k] % total), k))
+    for k in by_remainder[:leftover]:
+        sizes[k] += 1
     bounds, start = [], 0
-    for k in range(parts):
-        stop = start + base + (k < extra)
-        bounds.append((start, stop))
-        start = stop
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
     return bounds
 
 
 class EngineGroup(RolloutEngine):
-    """`engines` (at least one) as one engine; `names` label them in errors (default: their url / class)."""
+    """`engines` (at least one) as one engine; `names` label them in errors (default: their url / class);
+    `weights`: each engine's share of the prompts (default equal; e.g. a nested group's size)."""
 
-    def __init__(self, engines: Sequence[RolloutEngine], names: Sequence[str] | None = None) -> None:
+    def __init__(self, engines: Sequence[RolloutEngine], names: Sequence[str] | None = None,
+                 weights: Sequence[int] | None = None) -> None:
         if not engines:
             raise ValueError("EngineGroup needs at least one engine")
+        if weights is not None and (len(weights) != len(engines) or min(weights) < 1):
+            raise ValueError(f"weights {list(weights)} must be one positive integer per engine")
         self.engines = list(engines)
+        self.weights = list(weights) if weights is not None else [1] * len(self.engines)
         self.names = list(names) if names is not None else [
             getattr(e, "url", f"{type(e).__name__}[{i}]") for i, e in enumerate(self.engines)]
         self._pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="engine-group")
@@ -76,7 +91,7 @@ class EngineGroup(RolloutEngine):
         self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
     ) -> list[list[Sample]]:
         check_prompts(prompt_token_ids, n)
-        chunks = split_evenly(len(prompt_token_ids), len(self.engines))
+        chunks = split_weighted(len(prompt_token_ids), self.weights)
 
         def run(k: int) -> list[list[Sample]]:
             start, stop = chunks[k]

@@ -69,11 +69,12 @@ from megatron_dapo.rollout.sglang_server import (  # noqa: F401 - re-exported
 from megatron_dapo.rollout.sglang_wire import (
     _aligned_layout,
     _cut_at_stop,
-    _dtype_name,
     _file_system_sharing,
     _flat_views,
     _init_custom_process_group,
     _start_shm_manager_quietly,
+    alongside,
+    broadcast_payload,
     checkpoint_shapes,
     iter_buckets,
     parse_generate_response,
@@ -303,27 +304,11 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         fails (or the server dies: `_post` watches it), raise at once instead of waiting for the
         collective's timeout; the process group is then unusable and is dropped.
         """
-        box: dict[str, dict[str, Any]] = {}
-
-        def run(key: str, fn: Any) -> None:
-            try:
-                box[key] = {"out": fn()}
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                box[key] = {"error": e}
-
-        for key, fn in (("http", lambda: self._post(path, body)), ("local", local)):
-            threading.Thread(target=run, args=(key, fn), name=f"sglang-{key}{path}", daemon=True).start()
-        while "http" not in box or "local" not in box:
-            for side in box.values():
-                if "error" in side:
-                    self._pg = None
-                    raise side["error"]
-            time.sleep(0.002)
-        for side in box.values():
-            if "error" in side:
-                self._pg = None
-                raise side["error"]
-        return box["local"]["out"]
+        try:
+            return alongside([lambda: self._post(path, body)], local)
+        except BaseException:
+            self._pg = None
+            raise
 
     def _ensure_group(self) -> None:
         if self._pg is not None:
@@ -349,32 +334,9 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         self._pg_name = name
 
     def _send_distributed(self, bucket: list[tuple[str, torch.Tensor]], version: str) -> None:
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if self.device == "cuda"
-            else torch.device("cpu")
-        )
-        body: dict[str, Any] = {
-            "names": [n for n, _ in bucket],
-            "dtypes": [_dtype_name(t.dtype) for _, t in bucket],
-            "shapes": [list(t.shape) for _, t in bucket],
-            "group_name": self._pg_name,
-            "flush_cache": False,
-            "weight_version": version,
-        }
-        # SGLang's flat receive buffer is dense (no padding): one broadcast per bucket when every tensor
-        # starts aligned for its dtype there, else one broadcast per tensor.
-        pos, dense = 0, True
-        for _, t in bucket:
-            dense &= pos % t.element_size() == 0
-            pos += tensor_nbytes(t)
-        if dense:
-            body["load_format"] = "flattened_bucket"
-            tensors = [
-                torch.cat([t.detach().to(device).contiguous().view(-1).view(torch.uint8) for _, t in bucket])
-            ]
-        else:
-            tensors = [t.detach().to(device).contiguous() for _, t in bucket]
+        device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
+        meta, tensors = broadcast_payload(bucket, device)
+        body = {**meta, "group_name": self._pg_name, "flush_cache": False, "weight_version": version}
         pg = self._pg
 
         def broadcast() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from megatron_dapo.config import SGLangConfig
 from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.rollout.engine_group import EngineGroup
+from megatron_dapo.rollout.sglang_broadcast import as_rollout_engine
 from megatron_dapo.rollout.sglang_engine import SGLangEngine, SGLangServerError
 
 log = logging.getLogger(__name__)
@@ -117,15 +118,16 @@ def start_job_servers(model_path: str | Path, cfg: SGLangConfig, **engine_kwargs
     if rank != 0:
         return JobServers(None, owned)
     remote_cfg = cfg if cfg.weight_sync == "disk" else dataclasses.replace(cfg, weight_sync="distributed")
-    engines: list[RolloutEngine] = list(owned)
+    remote: list[SGLangEngine] = []
     for r, urls in enumerate(reports):
         if urls is None or r == 0:
             continue
         for url in urls:
             remote_host, port = url.removeprefix("http://").rsplit(":", 1)
-            engines.append(SGLangEngine(model_path, remote_cfg, host=remote_host, port=int(port), attach=True,
-                                        trainer_host=host, **engine_kwargs))
-    log.info("SGLang servers: %s", ", ".join(f"{e.url} ({e.cfg.weight_sync}{', attached' if e.attached else ''})"
-                                              for e in engines))
-    engine = engines[0] if len(engines) == 1 else EngineGroup(engines)
-    return JobServers(engine, [])
+            remote.append(SGLangEngine(model_path, remote_cfg, host=remote_host, port=int(port), attach=True,
+                                       trainer_host=host, **engine_kwargs))
+    shared = len(remote) > 1 and remote_cfg.weight_sync == "distributed"
+    log.info("SGLang servers: %s", ", ".join(
+        [f"{e.url} ({e.cfg.weight_sync})" for e in owned]
+        + [f"{e.url} ({'one shared broadcast' if shared else e.cfg.weight_sync}, attached)" for e in remote]))
+    return JobServers(as_rollout_engine(owned, remote, host, shared_broadcast=shared), [])

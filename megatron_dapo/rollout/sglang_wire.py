@@ -13,7 +13,9 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -248,3 +250,49 @@ def _parent_death_signal_setter() -> Any:
         prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
     return set_pdeathsig
+
+
+def broadcast_payload(bucket: Sequence[tuple[str, torch.Tensor]], device: torch.device
+                      ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The /update_weights_from_distributed fields describing `bucket` and the tensors to broadcast.
+
+    SGLang's flat receive buffer is dense (no padding): one broadcast of the whole bucket as uint8
+    when every tensor starts aligned for its dtype there ("flattened_bucket"), else one per tensor.
+    """
+    meta: dict[str, Any] = {
+        "names": [n for n, _ in bucket],
+        "dtypes": [_dtype_name(t.dtype) for _, t in bucket],
+        "shapes": [list(t.shape) for _, t in bucket],
+    }
+    pos, dense = 0, True
+    for _, t in bucket:
+        dense &= pos % t.element_size() == 0
+        pos += tensor_nbytes(t)
+    if dense:
+        meta["load_format"] = "flattened_bucket"
+        return meta, [torch.cat([t.detach().to(device).contiguous().view(-1).view(torch.uint8) for _, t in bucket])]
+    return meta, [t.detach().to(device).contiguous() for _, t in bucket]
+
+
+def alongside(calls: Sequence[Callable[[], Any]], local: Callable[[], Any]) -> Any:
+    """Run the HTTP `calls` and `local()` at once (the sides of one collective) and return local's
+    result. The first failure on any side is raised at once, not after the collective's timeout."""
+    box: dict[Any, dict[str, Any]] = {}
+
+    def run(key: Any, fn: Callable[[], Any]) -> None:
+        try:
+            box[key] = {"out": fn()}
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box[key] = {"error": e}
+
+    jobs = [(k, fn) for k, fn in enumerate(calls)] + [("local", local)]
+    for key, fn in jobs:
+        threading.Thread(target=run, args=(key, fn), name=f"sglang-alongside-{key}", daemon=True).start()
+    while True:
+        for side in list(box.values()):
+            if "error" in side:
+                raise side["error"]
+        if len(box) == len(jobs):
+            return box["local"]["out"]
+        time.sleep(0.002)
+
