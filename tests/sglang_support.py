@@ -13,9 +13,38 @@ import pytest
 import torch
 
 from megatron_dapo.config import SGLangConfig
-from megatron_dapo.rollout.sglang_engine import SGLangEngine, free_port
+from megatron_dapo.rollout.sglang_engine import SGLangEngine
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def server_ports(n: int = 1) -> int:
+    """A port P with P .. P+n-1 free, below the kernel's ephemeral range: SGLang servers bind some
+    internal ports the OS hands out from that range, and one of them must not land on a neighbour's
+    HTTP port before that neighbour binds it (it happened: the server then never became healthy)."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, max(low - n, 20001))
+        socks = []
+        try:
+            for k in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port + k))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return port
+    raise RuntimeError(f"no {n} consecutive free ports below {low}")
 
 FAKE_SERVER = textwrap.dedent("""
     import argparse, http.server, os, sys, time
@@ -27,6 +56,10 @@ FAKE_SERVER = textwrap.dedent("""
         print("RuntimeError: not enough memory for the KV cache", flush=True)
         sys.exit(3)
     if mode == "hang":
+        time.sleep(3600)
+    if mode == "bindfail":  # uvicorn's error when the port is taken; SGLang then lingers in shutdown
+        print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {args.port}): "
+              "address already in use", flush=True)
         time.sleep(3600)
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -66,7 +99,7 @@ def fake_python(fake_exe, tmp_path, monkeypatch):
             tmp_path,
             SGLangConfig(**cfg),
             python=str(fake_exe),
-            port=free_port(),
+            port=server_ports(),
             device="cpu",
             log_dir=tmp_path / "logs",
             shutdown_grace_s=2,

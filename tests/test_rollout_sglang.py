@@ -23,14 +23,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang_support import SGLANG_TIMEOUT, _gone, _max_logprob_diff
+from sglang_support import SGLANG_TIMEOUT, _gone, _max_logprob_diff, server_ports
 
 from megatron_dapo.config import SGLangConfig
 from megatron_dapo.rollout.base import EngineStateError, GenerationAborted, SamplingParams
 from megatron_dapo.rollout.sglang_engine import (
     SGLangEngine,
     SGLangServerError,
-    free_port,
     iter_buckets,
     parse_generate_response,
 )
@@ -179,6 +178,15 @@ def test_server_that_never_gets_healthy_times_out_and_is_killed(fake_python):
     assert _gone(pid)
 
 
+def test_server_whose_port_was_taken_fails_fast_not_at_the_timeout(fake_python):
+    t0 = time.monotonic()
+    with pytest.raises(SGLangServerError, match="failed to start .*address already in use.*; killed it") as err:
+        fake_python("bindfail", startup_timeout_s=600)
+    assert time.monotonic() - t0 < 30
+    pid = int(str(err.value).split("(pid ")[1].split(")")[0])
+    assert _gone(pid)
+
+
 def test_killed_server_fails_the_running_request_fast(fake_python):
     engine = fake_python("serve", startup_timeout_s=60, request_timeout_s=600)
     try:
@@ -232,7 +240,7 @@ def engine(sglang_python, models, tmp_path_factory):
         models["a"],
         SGLangConfig(startup_timeout_s=600, request_timeout_s=300),
         python=sglang_python,
-        port=free_port(),
+        port=server_ports(),
         dtype="float32",
         max_total_tokens=8192,
         log_dir=log_dir,

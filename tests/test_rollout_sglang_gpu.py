@@ -11,11 +11,11 @@ import time
 
 import pytest
 import torch
-from sglang_support import SGLANG_TIMEOUT, _gone, _max_logprob_diff
+from sglang_support import SGLANG_TIMEOUT, _gone, _max_logprob_diff, server_ports
 
 from megatron_dapo.config import SGLangConfig
 from megatron_dapo.rollout.base import SamplingParams
-from megatron_dapo.rollout.sglang_engine import SGLangEngine, default_python, free_port
+from megatron_dapo.rollout.sglang_engine import SGLangEngine, default_python
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -39,7 +39,7 @@ def cuda_hf(models):
 def test_colocated_cuda_ipc_updates_and_release_resume(models, cuda_hf, tmp_path):
     cfg = SGLangConfig(mem_fraction_static=0.3, startup_timeout_s=900, request_timeout_s=300)
     t0 = time.monotonic()
-    engine = SGLangEngine(models["a"], cfg, python=default_python(), port=free_port(), dtype="float32",
+    engine = SGLangEngine(models["a"], cfg, python=default_python(), port=server_ports(), dtype="float32",
                           device="cuda", colocate=True, log_dir=tmp_path / "logs", bucket_mb=1,
                           extra_args=["--attention-backend", "torch_native", "--disable-cuda-graph"])
     print(f"\nSGLang on CUDA up in {time.monotonic() - t0:.1f} s; log {engine.log_path}")

@@ -11,32 +11,17 @@ import socket
 import time
 
 import pytest
-from sglang_support import SGLANG_TIMEOUT, _gone, _max_logprob_diff
+from sglang_support import SGLANG_TIMEOUT, _gone, _max_logprob_diff, server_ports
 
 from megatron_dapo.config import SGLangConfig
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.engine_group import EngineGroup
-from megatron_dapo.rollout.sglang_engine import SGLangEngine, SGLangServerError, free_port
+from megatron_dapo.rollout.sglang_engine import SGLangEngine, SGLangServerError
 from megatron_dapo.rollout.sglang_launch import launch_servers
 
 
 def _free_ports(n: int = 2) -> int:
-    """A port P with P .. P+n-1 all free."""
-    for _ in range(50):
-        port = free_port()
-        socks = []
-        try:
-            for k in range(1, n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port + k))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return port
-    raise RuntimeError(f"no {n} consecutive free ports")
+    return server_ports(n)
 
 
 _two_free_ports = _free_ports
@@ -44,7 +29,7 @@ _two_free_ports = _free_ports
 
 def test_one_server_is_a_plain_engine(fake_exe, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_SGLANG_MODE", "serve")
-    engine = launch_servers(tmp_path, SGLangConfig(base_port=free_port()), python=str(fake_exe), device="cpu",
+    engine = launch_servers(tmp_path, SGLangConfig(base_port=server_ports()), python=str(fake_exe), device="cpu",
                             log_dir=tmp_path / "logs", shutdown_grace_s=2)
     try:
         assert isinstance(engine, SGLangEngine) and engine.health()

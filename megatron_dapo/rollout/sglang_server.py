@@ -205,15 +205,27 @@ class SGLangServer:
                         break
             except (urllib.error.URLError, OSError):
                 pass
-            if time.monotonic() > deadline:
+            fatal = self._fatal_startup_error()
+            if fatal is not None or time.monotonic() > deadline:
                 self._kill()
                 self._closed = True
                 _LIVE_SERVERS.discard(self)
                 raise self._error(
+                    f"failed to start ({fatal}); killed it" if fatal else
                     f"did not become healthy within {self.cfg.startup_timeout_s:.0f} s; killed it"
                 )
             time.sleep(0.5)
         self._children = self._child_pids() if self._proc is not None else []
+
+    def _fatal_startup_error(self) -> str | None:
+        """A startup failure after which SGLang lingers instead of exiting (its HTTP port taken: uvicorn
+        logs the error, then the process waits in shutdown while other processes hold our port)."""
+        if self._proc is None:
+            return None
+        for line in self.log_tail(lines=_LOG_TAIL_LINES).splitlines():
+            if "error while attempting to bind on address" in line:
+                return line.split("ERROR:", 1)[-1].strip()
+        return None
 
     def _child_pids(self) -> list[tuple[int, float]]:
         """(pid, start time) of the server's worker processes; the start time guards against PID reuse."""
