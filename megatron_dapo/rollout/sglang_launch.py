@@ -83,7 +83,8 @@ def start_job_servers(model_path: str | Path, cfg: SGLangConfig, **engine_kwargs
     servers there (bound to 127.0.0.1 in a one-node job, else to `node_address()`; node n's server k on
     port base_port + n * num_servers + k). Global rank 0 gets one engine over all of them: its own node's
     with cfg.weight_sync, the other nodes' attached, with weight updates broadcast over the network
-    ("distributed"; "disk" stays disk). A server that fails to start fails every rank, naming it."""
+    ("distributed", one shared group for all of them: sglang_broadcast.py; "disk" stays disk). A server
+    that fails to start fails every rank, naming it."""
     import torch.distributed as dist
 
     from megatron_dapo import parallel
