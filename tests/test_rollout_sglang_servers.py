@@ -20,11 +20,19 @@ from megatron_dapo.rollout.sglang_engine import SGLangEngine, SGLangServerError
 from megatron_dapo.rollout.sglang_launch import launch_servers
 
 
-def _free_ports(n: int = 2) -> int:
-    return server_ports(n)
+def _trainer_cmd(tmp_path, run: str, *overrides: str) -> list[str]:
+    """`python -m megatron_dapo.train` on a quick tiny base with SGLang rollouts: test_train's small
+    two-step settings, then `overrides` (later ones win)."""
+    import sys
+    from pathlib import Path
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from make_tiny_base import ensure_tiny_base
+    from test_train import train_cmd
 
-_two_free_ports = _free_ports
+    base = ensure_tiny_base(tmp_path / "tiny_base", seconds=8)
+    return train_cmd(base, tmp_path, run, "rollout.engine=sglang", "train.steps=2", "checkpoint.save_every=0",
+                     "checkpoint.export_hf=false", *overrides)
 
 
 def test_one_server_is_a_plain_engine(fake_exe, tmp_path, monkeypatch):
@@ -39,7 +47,7 @@ def test_one_server_is_a_plain_engine(fake_exe, tmp_path, monkeypatch):
 
 def test_servers_take_consecutive_ports_and_stop_together(fake_exe, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_SGLANG_MODE", "serve")
-    port = _two_free_ports()
+    port = server_ports(2)
     group = launch_servers(tmp_path, SGLangConfig(base_port=port, num_servers=2), python=str(fake_exe),
                            device="cpu", log_dir=tmp_path / "logs", shutdown_grace_s=2)
     assert isinstance(group, EngineGroup)
@@ -52,7 +60,7 @@ def test_servers_take_consecutive_ports_and_stop_together(fake_exe, tmp_path, mo
 
 def test_a_server_that_cannot_start_stops_the_others(fake_exe, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_SGLANG_MODE", "serve")
-    port = _two_free_ports()
+    port = server_ports(2)
     spawned: list[SGLangEngine] = []
     original = SGLangEngine._start
 
@@ -77,7 +85,7 @@ PROMPTS = [[5, 6, 7], [9, 9], [17, 33, 65, 129, 200], [40, 41], [3]]
 @SGLANG_TIMEOUT
 def test_two_real_servers_split_prompts_and_both_take_weight_updates(sglang_python, models, hf, tmp_path):
     t0 = time.monotonic()
-    group = launch_servers(models["a"], SGLangConfig(base_port=_two_free_ports(), num_servers=2,
+    group = launch_servers(models["a"], SGLangConfig(base_port=server_ports(2), num_servers=2,
                                                      startup_timeout_s=600, request_timeout_s=300),
                            python=sglang_python, dtype="float32", max_total_tokens=8192,
                            log_dir=tmp_path / "logs", bucket_mb=1)
@@ -105,7 +113,7 @@ def test_one_broadcast_updates_several_servers(sglang_python, models, hf, tmp_pa
 
     from megatron_dapo.rollout.sglang_broadcast import BroadcastServers
 
-    port = _two_free_ports()
+    port = server_ports(2)
     servers = [SGLangEngine(models["a"], SGLangConfig(base_port=port, startup_timeout_s=600, request_timeout_s=300),
                             python=sglang_python, server_index=k, dtype="float32", max_total_tokens=8192,
                             log_dir=tmp_path / "logs", bucket_mb=1, wait=False) for k in range(2)]
@@ -130,21 +138,11 @@ def test_trainer_with_two_sglang_servers(sglang_python, tmp_path, python_env):
     """The DAPO loop end to end on real SGLang servers: colocated sleep/wake, weight sync to both servers
     after every step, and the servers' logprobs equal the actor's on the tokens they sampled."""
     import subprocess
-    import sys
-    from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo / "tools"))
-    from make_tiny_base import ensure_tiny_base
     from test_train import scalars
 
-    base = ensure_tiny_base(tmp_path / "tiny_base", seconds=8)
-    cmd = [sys.executable, "-m", "megatron_dapo.train", "--config", str(repo / "examples/configs/tiny_cpu.yaml"),
-           f"model.hf_dir={base}", f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path / 'tb'}",
-           "logging.run_name=sglang2", "rollout.engine=sglang", "rollout.sglang.num_servers=2",
-           f"rollout.sglang.base_port={_two_free_ports()}", "train.steps=2", "train.prompt_batch_size=8",
-           "train.mini_batch_size=4", "algo.group_size=4", "eval.n_samples=2", "eval.max_prompts=16",
-           "eval.every_steps=2", "checkpoint.save_every=0", "checkpoint.export_hf=false"]
+    cmd = _trainer_cmd(tmp_path, "sglang2", "rollout.sglang.num_servers=2",
+                       f"rollout.sglang.base_port={server_ports(2)}")
     env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     assert r.returncode == 0, r.stderr[-6000:]
@@ -162,22 +160,13 @@ def test_three_nodes_each_start_a_server_and_rank0_drives_all(sglang_python, tmp
     updated by ONE gloo broadcast group. After each step's sync every server's logprobs equal the
     actor's (the prompts are split across all three)."""
     import subprocess
-    import sys
-    from pathlib import Path
+
+    from test_train import scalars
 
     from megatron_dapo.parallel import free_port as free_master_port
 
-    repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo / "tools"))
-    from make_tiny_base import ensure_tiny_base
-    from test_train import scalars
-
-    base = ensure_tiny_base(tmp_path / "tiny_base", seconds=8)
-    cmd = [sys.executable, "-m", "megatron_dapo.train", "--config", str(repo / "examples/configs/tiny_cpu.yaml"),
-           f"model.hf_dir={base}", f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path / 'tb'}",
-           "logging.run_name=nodes3", "rollout.engine=sglang", f"rollout.sglang.base_port={_free_ports(3)}",
-           "parallel.backend=gloo", "train.steps=2", "train.prompt_batch_size=6", "train.mini_batch_size=3",
-           "algo.group_size=4", "eval.every_steps=0", "checkpoint.save_every=0", "checkpoint.export_hf=false"]
+    cmd = _trainer_cmd(tmp_path, "nodes3", f"rollout.sglang.base_port={server_ports(3)}", "parallel.backend=gloo",
+                       "train.prompt_batch_size=6", "train.mini_batch_size=3", "eval.every_steps=0")
     master = str(free_master_port())
     procs = []
     for rank in range(3):
@@ -245,7 +234,7 @@ def test_every_node_leader_starts_servers_and_rank0_attaches(fake_exe, tmp_path,
 
     from spawn import run_ranks
 
-    port = _two_free_ports()
+    port = server_ports(2)
     run_ranks(_job_worker, str(fake_exe), str(tmp_path), port, block_node1, timeout_s=180)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     if block_node1:  # every rank fails, naming the node that could not start its server

@@ -74,18 +74,7 @@ class EngineGroup(RolloutEngine):
 
     def _all(self, call: Callable[[RolloutEngine], Any], what: str) -> list[Any]:
         """`call` on every engine at once; the first failure (in engine order) is raised, naming it."""
-        futures = [self._pool.submit(call, e) for e in self.engines]
-        results, failure = [], None
-        for name, fut in zip(self.names, futures):
-            try:
-                results.append(fut.result())
-            except BaseException as e:  # noqa: BLE001 - re-raised below with the engine named
-                failure = failure or (name, e)
-                results.append(None)
-        if failure is not None:
-            name, e = failure
-            raise EngineGroupError(f"{what} failed on rollout engine {name}: {e}") from e
-        return results
+        return self._results([self._pool.submit(call, e) for e in self.engines], what)
 
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
@@ -144,16 +133,19 @@ class EngineGroup(RolloutEngine):
                 _put(q, _END, fut)
         self._results(futures, "update_weights")
 
-    def _results(self, futures: list, what: str) -> None:
-        failure = None
+    def _results(self, futures: list, what: str) -> list[Any]:
+        """The futures' results in engine order, once all are done; the first failure is raised, naming it."""
+        results, failure = [], None
         for name, fut in zip(self.names, futures):
             try:
-                fut.result()
-            except BaseException as e:  # noqa: BLE001
+                results.append(fut.result())
+            except BaseException as e:  # noqa: BLE001 - re-raised below with the engine named
                 failure = failure or (name, e)
+                results.append(None)
         if failure is not None:
             name, e = failure
             raise EngineGroupError(f"{what} failed on rollout engine {name}: {e}") from e
+        return results
 
     def sleep(self) -> None:
         self._all(lambda e: e.sleep(), "sleep")
