@@ -4,7 +4,6 @@ train.py reads as the algorithm. Rank 0 is the rollout driver; all ranks train."
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import logging
 import time
@@ -65,8 +64,8 @@ class RunState:
     hf_dir: str
     start_step: int = 0
     samples_generated: int = 0
-    servers: Any = None
-    """SGLang: the servers this rank started (a node leader's), stopped by finish()."""
+    servers: list[Any] = field(default_factory=list)
+    """SGLang: servers this rank started for rank 0 to drive (a node leader's); finish() stops them."""
     _times: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     _bar: Any = None
 
@@ -239,8 +238,8 @@ class RunState:
             self._bar.close()
         if self.engine is not None:
             self.engine.shutdown()
-        if self.servers is not None:
-            self.servers.shutdown()
+        for server in self.servers:
+            server.shutdown()
 
 
 def build_run(cfg: Config) -> RunState:
@@ -268,7 +267,7 @@ def build_run(cfg: Config) -> RunState:
         writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver),
         alarms=Alarms(cfg.logging, cfg.rollout.max_response_len),
         ckpt_root=Path(cfg.checkpoint.dir) / cfg.logging.run_name, hf_dir=hf_dir,
-        servers=dataclasses.replace(servers, engine=None) if servers is not None else None)
+        servers=servers.owned if servers is not None else [])
     _maybe_resume(run)
     if run.start_step > 0 or cfg.model.load:
         run.sync_weights()  # the engine started from hf_dir; give it the trained weights
@@ -282,7 +281,8 @@ def _start_sglang(cfg: Config, hf_dir: str):
 
     # the actor's dtype, not SGLang's "auto" (which serves a float32 checkpoint in float16)
     dtype = str(param_dtype(cfg.model)).removeprefix("torch.")
-    return start_job_servers(hf_dir, cfg.rollout.sglang, bucket_mb=cfg.rollout.weight_sync_bucket_mb, dtype=dtype)
+    return start_job_servers(hf_dir, cfg.rollout.sglang, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+                             dtype=dtype)
 
 
 def _embedded_engine(hf_dir: str) -> RolloutEngine:

@@ -123,7 +123,7 @@ def test_one_broadcast_updates_several_servers(sglang_python, models, hf, tmp_pa
         for s in servers:
             s.wait_ready()
         group.update_weights(hf["b"].state_dict().items())
-        assert torch.distributed.get_world_size(group._pg) == 3 and group.last_update.buckets >= 2
+        assert torch.distributed.get_world_size(group._group.pg) == 3 and group.last_update.buckets >= 2
         sampled = group.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=6))
         assert _max_logprob_diff(hf["b"], sampled[:3]) < 1e-4 and _max_logprob_diff(hf["b"], sampled[3:]) < 1e-4
         group.update_weights(hf["a"].state_dict().items())  # the group is reused

@@ -37,7 +37,6 @@ log's last lines. Nothing here waits without a bound.
 from __future__ import annotations
 
 import itertools
-import os
 import shutil
 import tempfile
 import threading
@@ -45,7 +44,6 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -66,15 +64,13 @@ from megatron_dapo.rollout.sglang_server import (  # noqa: F401 - re-exported
     default_python,
     free_port,
 )
+from megatron_dapo.rollout.sglang_weight_group import WeightBroadcastGroup
 from megatron_dapo.rollout.sglang_wire import (
     _aligned_layout,
     _cut_at_stop,
     _file_system_sharing,
     _flat_views,
-    _init_custom_process_group,
     _start_shm_manager_quietly,
-    alongside,
-    broadcast_payload,
     checkpoint_shapes,
     iter_buckets,
     parse_generate_response,
@@ -140,26 +136,17 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._shapes = checkpoint_shapes(str(model_path))
         self._asleep = False
-        self._pg: Any = None
-        self._group_ids = itertools.count()
-        self._pg_name = ""
         self._abort = threading.Event()
         self._versions = itertools.count(1)
         self.last_update = WeightUpdateStats()
         self.trainer_host = trainer_host or server.get("host", "127.0.0.1")
         super().__init__(model_path, cfg, **server)
-        self._group_name = f"megatron_dapo_{os.getpid()}_{self.port}"
+        self._weight_group = WeightBroadcastGroup([self], self.trainer_host)
 
     def shutdown(self) -> None:
         if self._closed:
             return
-        if self._pg is not None:
-            if self._dead_reason() is None:
-                with suppress(Exception):  # shutting down anyway; the server is stopped next
-                    self._post("/destroy_weights_update_group", {"group_name": self._pg_name}, timeout=10)
-            with suppress(Exception):
-                torch.distributed.destroy_process_group(self._pg)
-            self._pg = None
+        self._weight_group.destroy()
         super().shutdown()
 
     # -------------------------------------------------------------------------------- generate
@@ -261,9 +248,9 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         if transport == "disk":
             self._send_disk(buckets, version, stats)
         else:
-            send = self._send_tensor if transport == "tensor" else self._send_distributed
+            send = self._send_tensor if transport == "tensor" else self._weight_group.send
             if transport == "distributed":
-                self._ensure_group()
+                self._weight_group.ensure()
             self._post("/begin_weight_update", {})
             try:
                 for bucket in buckets:
@@ -296,54 +283,6 @@ class SGLangEngine(SGLangServer, RolloutEngine):
             {"serialized_named_tensors": [payload] * tp, "flush_cache": False, "weight_version": version},
         )
         del views, flat  # the server has copied them into its parameters
-
-    def _alongside_server(self, path: str, body: Any, local: Any) -> Any:
-        """POST `path` and run `local()` at the same time (both sides of a collective); fail fast.
-
-        The server joins a collective inside the HTTP call and we join it in `local`. If either side
-        fails (or the server dies: `_post` watches it), raise at once instead of waiting for the
-        collective's timeout; the process group is then unusable and is dropped.
-        """
-        try:
-            return alongside([lambda: self._post(path, body)], local)
-        except BaseException:
-            self._pg = None
-            raise
-
-    def _ensure_group(self) -> None:
-        if self._pg is not None:
-            return
-        backend = "nccl" if self.device == "cuda" else "gloo"
-        port = free_port(self.trainer_host)
-        world = 1 + self.cfg.tensor_parallel
-        name = f"{self._group_name}_{next(self._group_ids)}"
-        body = {
-            "master_address": self.trainer_host,
-            "master_port": port,
-            "rank_offset": 1,
-            "world_size": world,
-            "group_name": name,
-            "backend": backend,
-        }
-        timeout = timedelta(seconds=min(self.cfg.request_timeout_s, 600))
-        self._pg = self._alongside_server(
-            "/init_weights_update_group",
-            body,
-            lambda: _init_custom_process_group(backend, self.trainer_host, port, world, 0, name, timeout),
-        )
-        self._pg_name = name
-
-    def _send_distributed(self, bucket: list[tuple[str, torch.Tensor]], version: str) -> None:
-        device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
-        meta, tensors = broadcast_payload(bucket, device)
-        body = {**meta, "group_name": self._pg_name, "flush_cache": False, "weight_version": version}
-        pg = self._pg
-
-        def broadcast() -> None:
-            for t in tensors:
-                torch.distributed.broadcast(t, src=0, group=pg)
-
-        self._alongside_server("/update_weights_from_distributed", body, broadcast)
 
     def _send_disk(
         self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: str, stats: WeightUpdateStats
