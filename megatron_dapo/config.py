@@ -435,6 +435,8 @@ def _problems(cfg: Config) -> list[str]:
         p.append(f"checkpoint.resume={resume!r} must be auto, none or an existing checkpoint folder")
     if r.sglang.num_servers < 0:
         p.append(f"rollout.sglang.num_servers={r.sglang.num_servers} must be >= 0 (0 = fill the node)")
+    if not 0.0 < r.sglang.mem_fraction_static < 1.0:
+        p.append(f"rollout.sglang.mem_fraction_static={r.sglang.mem_fraction_static} must be in (0, 1)")
     if cfg.checkpoint.keep_last < 1:
         p.append(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
     return p

@@ -1,13 +1,17 @@
 """The dry-run planner (megatron_dapo.plan): its arithmetic against hand-computed numbers for
-Qwen2.5-32B, the fit / refuse verdicts, and the CLI's exit codes. Fast: no torch.distributed, no GPU."""
+Qwen2.5-32B, the fit / refuse verdicts, the CLI's exit codes, and the text report and JSON agreeing.
+Fast: no torch.distributed, no GPU."""
 
+import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from megatron_dapo import plan as P
-from megatron_dapo.config import load_config
+from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.plan.cli import main as plan_main
 
 REPO = Path(__file__).resolve().parents[1]
 CFG_32B = REPO / "examples/configs/dapo_qwen2.5_32b.yaml"
@@ -25,7 +29,8 @@ PARAMS_PER_GPU_TP8 = L * (LAYER_SHARDED // 8 + LAYER_REPL) + 2 * (V_PAD8 * H // 
 def plan_for(nodes, gpus=8, overrides=(), mem=80.0, **kw):
     cfg = load_config(CFG_32B, list(overrides))
     spec, source = P.resolve_model(cfg)
-    return P.make_plan(cfg, spec, P.Hardware(nodes, gpus, mem), model_source=source, **kw)
+    hw = P.Hardware(nodes=nodes, gpus_per_node=gpus, gpu_mem_gib=mem)
+    return P.make_plan(cfg, spec, hw, model_source=source, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -35,58 +40,68 @@ def plan16():
 
 def test_parameter_counts_match_hand_computation(plan16):
     assert PARAMS_32B == 32_763_876_352  # = the 65.5 GB of bf16 safetensors of Qwen/Qwen2.5-32B
-    assert plan16.model["params"] == PARAMS_32B
+    assert plan16.model.params == PARAMS_32B
     assert PARAMS_PER_GPU_TP8 == 4_096_717_824
-    assert plan16.memory["train_phase"]["params"] == PARAMS_PER_GPU_TP8
+    assert plan16.train.worst.params == PARAMS_PER_GPU_TP8
     # ~ params / (TP x PP); the difference is the vocab padding and the TP-replicated norms
     assert PARAMS_PER_GPU_TP8 == pytest.approx(PARAMS_32B / 8, rel=1e-3)
 
 
 def test_actor_memory_per_gpu_16x8(plan16):
-    tr = plan16.memory["train_phase"]
-    assert plan16.layout == {**plan16.layout, "tp": 8, "pp": 1, "dp": 16}
-    assert tr["weights"] == 2 * PARAMS_PER_GPU_TP8  # bf16
-    assert tr["weights"] == pytest.approx(2 * PARAMS_32B / (8 * 1), rel=1e-3)
-    assert tr["main_grads"] == 4 * PARAMS_PER_GPU_TP8  # fp32 grad buffer, full size
-    assert tr["optimizer"] == 12 * PARAMS_PER_GPU_TP8 / 16  # master + Adam m, v sharded over DP=16
+    tr = plan16.train.worst
+    assert (plan16.layout.tp, plan16.layout.pp, plan16.layout.dp) == (8, 1, 16)
+    assert tr.weights == 2 * PARAMS_PER_GPU_TP8  # bf16
+    assert tr.weights == pytest.approx(2 * PARAMS_32B / (8 * 1), rel=1e-3)
+    assert tr.main_grads == 4 * PARAMS_PER_GPU_TP8  # fp32 grad buffer, full size
+    assert tr.optimizer == 12 * PARAMS_PER_GPU_TP8 / 16  # master + Adam m, v sharded over DP=16
     # activations, full recompute, sequence parallel, T = 24576 tokens (micro_batch_tokens >= 2048+20480):
     t, a = 24576, 2
     kept_inputs = L * 1 * a * t * H / 8
     one_layer = a * t * ((2 * H + 2 * KVD + 3 * FFN) / 8 + 4 * H / 8)
     logits_and_grad = t * V_PAD8 / 8 * a * 2
     assert one_layer == 710_934_528
-    assert tr["activations_train"] == pytest.approx(kept_inputs + 2 * one_layer + logits_and_grad)
-    assert tr["activations"] == tr["activations_train"]  # the logprob pass (forward only) needs less
-    assert tr["total"] == pytest.approx(tr["weights"] + tr["main_grads"] + tr["optimizer"]
-                                        + tr["activations"] + 4 * GIB)
-    assert 30 * GIB < tr["total"] < 40 * GIB
+    assert tr.activations_train == pytest.approx(kept_inputs + 2 * one_layer + logits_and_grad)
+    assert tr.activations == tr.activations_train  # the logprob pass (forward only) needs less
+    assert tr.total == pytest.approx(tr.weights + tr.main_grads + tr.optimizer + tr.activations + 4 * GIB)
+    assert 30 * GIB < tr.total < 40 * GIB
+    phase = plan16.phases[0]  # the same numbers as the train phase's components, per side
+    assert phase.name == "train" and phase.engine == {} and phase.reserve == 4 * GIB
+    assert phase.actor == {"weights": tr.weights, "main_grads": tr.main_grads, "optimizer": tr.optimizer,
+                           "activations": tr.activations}
+    assert phase.total == tr.total
 
 
 def test_rollout_kv_cache_16x8(plan16):
-    ro = plan16.memory["rollout_phase"]
-    assert ro["engines"] == 128 // 4 and ro["engines_per_node"] == 2  # num_servers=0: fill each node
-    one = plan_for(16, overrides=["rollout.sglang.num_servers=1"]).memory["rollout_phase"]
-    assert one["engines"] == 16 and one["engines_per_node"] == 1
-    assert ro["kv_bytes_per_token_engine"] == 2 * L * 8 * 128 * 2 == 262_144
-    assert ro["kv_bytes_per_token_gpu"] == 2 * L * (8 // 4) * 128 * 2 == 65_536
-    assert ro["weights"] == 2 * PARAMS_32B / 4
+    sg = plan16.rollout.sglang
+    assert sg.engines == 128 // 4 and sg.engines_per_node == 2  # num_servers=0: fill each node
+    one = plan_for(16, overrides=["rollout.sglang.num_servers=1"]).rollout.sglang
+    assert one.engines == 16 and one.engines_per_node == 1
+    assert sg.kv_bytes_per_token_engine == 2 * L * 8 * 128 * 2 == 262_144
+    assert sg.kv_bytes_per_token_gpu == 2 * L * (8 // 4) * 128 * 2 == 65_536
+    assert sg.weights == 2 * PARAMS_32B / 4
     pool = 0.6 * 80 * GIB - 2 * PARAMS_32B / 4
-    assert ro["kv_pool"] == pytest.approx(pool)
-    assert ro["kv_pool_tokens_per_engine"] == int(pool // 65_536)
-    assert ro["worst_case_sequences_in_flight"] == int(pool // 65_536) // (2048 + 20480)
-    assert ro["sequences_per_round_per_engine"] == 3 * 512 * 16 // 32
-    assert ro["actor_resident"] == 0 and ro["total"] == pytest.approx((0.6 * 80 + 4) * GIB)
+    assert sg.kv_pool == pytest.approx(pool)
+    assert sg.kv_pool_tokens_per_engine == int(pool // 65_536)
+    assert sg.worst_case_sequences_in_flight == int(pool // 65_536) // (2048 + 20480)
+    assert sg.sequences_per_round_per_engine == 3 * 512 * 16 // 32
+    phase = plan16.rollout.phase()
+    assert plan16.rollout.actor.resident == 0 and phase.total == pytest.approx((0.6 * 80 + 4) * GIB)
+    assert phase.actor == {"resident": 0.0}
+    assert phase.engine == {"weights": sg.weights, "kv_cache": sg.kv_pool}
+    resident = plan_for(16, overrides=["actor.offload_when_idle=false"]).rollout
+    worst = plan16.train.worst
+    assert resident.actor.resident == worst.weights + worst.main_grads + worst.optimizer
 
 
 def test_tokens_and_updates_per_step(plan16):
     tok = plan16.tokens
-    assert tok["trained_tokens_per_step_max"] == 512 * 16 * (2048 + 20480) == 184_549_376
-    assert tok["trained_tokens_per_dp_rank_max"] == 184_549_376 // 16
-    assert tok["generated_sequences_per_round"] == 1536 * 16
-    assert tok["generated_tokens_per_round_max"] == 1536 * 16 * 20480
-    assert tok["max_generation_rounds"] == 10
-    assert tok["updates_per_step"] == 16  # mini-batch 32 prompts x 16 = 512 responses, as the paper
-    assert plan_for(16, overrides=["train.mini_batch_size=512"]).tokens["updates_per_step"] == 1
+    assert tok.trained_tokens_per_step_max == 512 * 16 * (2048 + 20480) == 184_549_376
+    assert tok.trained_tokens_per_dp_rank_max == 184_549_376 // 16
+    assert tok.generated_sequences_per_round == 1536 * 16
+    assert tok.generated_tokens_per_round_max == 1536 * 16 * 20480
+    assert tok.max_generation_rounds == 10
+    assert tok.updates_per_step == 16  # mini-batch 32 prompts x 16 = 512 responses, as the paper
+    assert plan_for(16, overrides=["train.mini_batch_size=512"]).tokens.updates_per_step == 1
 
 
 def test_32b_fits_on_16_nodes_not_on_one(plan16):
@@ -94,7 +109,7 @@ def test_32b_fits_on_16_nodes_not_on_one(plan16):
     one = plan_for(1)
     assert not one.fits
     assert any("train phase needs" in p and "optimizer" in p for p in one.problems), one.problems
-    assert one.memory["train_phase"]["optimizer"] == 12 * PARAMS_PER_GPU_TP8  # DP=1: nothing to shard
+    assert one.train.worst.optimizer == 12 * PARAMS_PER_GPU_TP8  # DP=1: nothing to shard
     assert plan_for(1, mem=141.0).fits  # one H200 node holds the actor
 
 
@@ -117,7 +132,7 @@ def test_refusals_name_the_reason(overrides, nodes, reason):
 
 
 def test_rollout_concurrency_check(plan16):
-    fits = plan16.memory["rollout_phase"]["worst_case_sequences_in_flight"]
+    fits = plan16.rollout.sglang.worst_case_sequences_in_flight
     assert plan_for(16, rollout_concurrency=fits).fits
     p = plan_for(16, rollout_concurrency=fits + 1)
     assert not p.fits and any("--rollout-concurrency" in m for m in p.problems)
@@ -127,7 +142,7 @@ def test_model_sources(tmp_path):
     cfg = load_config(CFG_32B, ["model.hf_dir=/nowhere/Qwen2.5-7B-Instruct"])
     spec, source = P.resolve_model(cfg)
     assert (spec.num_layers, spec.hidden_size, spec.num_heads) == (28, 3584, 28) and "built-in" in source
-    p = P.make_plan(cfg, spec, P.Hardware(16, 8))  # TP=8 does not split 28 heads
+    p = P.make_plan(cfg, spec, P.Hardware(nodes=16, gpus_per_node=8))  # TP=8 does not split 28 heads
     assert any("num_attention_heads=28" in m for m in p.problems)
     (tmp_path / "config.json").write_text(json.dumps(P.KNOWN_MODELS["Qwen2.5-1.5B"]))
     spec, source = P.resolve_model(load_config(CFG_32B, [f"model.hf_dir={tmp_path}"]))
@@ -140,14 +155,65 @@ def test_model_sources(tmp_path):
 
 def test_cli_exit_codes_and_json(capsys, tmp_path):
     base = ["--config", str(CFG_32B), "--gpus-per-node", "8"]
-    assert P.main(base + ["--nodes", "16"]) == 0
+    assert plan_main(base + ["--nodes", "16"]) == 0
     out = capsys.readouterr().out
     assert "TP=8 x PP=1 x DP=16" in out and "verdict: FITS" in out and "32 engines x TP=4" in out
-    assert P.main(base + ["--nodes", "1", "--json"]) == 1
+    assert plan_main(base + ["--nodes", "1", "--json"]) == 1
     captured = capsys.readouterr()
     data = json.loads(captured.out)
     assert data["fits"] is False and data["layout"]["dp"] == 1 and "REFUSED" in captured.err
-    assert P.main(base + ["--nodes", "16", "algo.eps_hgh=0.3"]) == 2  # config error
+    assert plan_main(base + ["--nodes", "16", "algo.eps_hgh=0.3"]) == 2  # config error
     assert "eps_high" in capsys.readouterr().err
-    assert P.main(base + ["--nodes", "16", "model.hf_dir=/nowhere/MyModel"]) == 2
-    assert P.main(base + ["--nodes", "0"]) == 2
+    assert plan_main(base + ["--nodes", "16", "model.hf_dir=/nowhere/MyModel"]) == 2
+    assert plan_main(base + ["--nodes", "0"]) == 2
+
+
+@pytest.mark.parametrize("overrides", [(), ("actor.offload_when_idle=false",),
+                                       ("parallel.pipeline_parallel=4",), ("rollout.colocate=false",)])
+def test_report_and_json_agree_on_phase_totals(capsys, overrides):
+    args = ["--config", str(CFG_32B), "--nodes", "16", "--gpus-per-node", "8", *overrides]
+    plan_main(args)
+    text = capsys.readouterr().out
+    plan_main(args + ["--json"])
+    data = json.loads(capsys.readouterr().out)
+    printed = [float(x) for x in re.findall(r"^  total +([\d.]+) +of ", text, flags=re.M)]
+    phases = data["phases"]
+    assert list(phases) == (["train", "rollout"] if "rollout.colocate=false" not in overrides else ["train"])
+    assert printed == [round(p["total"] / GIB, 2) for p in phases.values()]
+    for p in phases.values():  # a phase total is the sum of its components, per side, plus the reserve
+        sides = sum(p["actor"].values()) + sum(p["engine"].values())
+        assert p["total"] == pytest.approx(sides + p["reserve"])
+    assert phases["train"]["total"] == data["memory"]["train_phase"]["total"]
+    assert data["memory"]["train_phase"]["total"] == max(s["total"] for s in data["memory"]["stages"])
+    if "rollout" in phases:
+        assert phases["rollout"]["total"] == data["memory"]["rollout_phase"]["total"]
+
+
+@pytest.mark.parametrize("fraction", ["0", "1", "1.5", "-0.1"])
+def test_mem_fraction_static_is_a_config_check(capsys, fraction):
+    override = f"rollout.sglang.mem_fraction_static={fraction}"
+    with pytest.raises(ConfigError, match=r"mem_fraction_static=.* must be in \(0, 1\)"):
+        load_config(CFG_32B, [override])
+    assert plan_main(["--config", str(CFG_32B), "--nodes", "16", "--gpus-per-node", "8", override]) == 2
+    assert "must be in (0, 1)" in capsys.readouterr().err
+    cfg = load_config(CFG_32B)  # a config changed after loading: make_plan reports it through validate()
+    cfg.rollout.sglang.mem_fraction_static = float(fraction)
+    p = P.make_plan(cfg, P.resolve_model(cfg)[0], P.Hardware(nodes=16, gpus_per_node=8))
+    assert not p.fits and any("mem_fraction_static" in m and "(0, 1)" in m for m in p.problems), p.problems
+
+
+def test_plan_package_imports_form_layers():
+    """core, memory and models import no other planner module; report reads core only; no cycle."""
+    pkg = REPO / "megatron_dapo/plan"
+    deps = {}
+    for f in pkg.glob("*.py"):
+        tree = ast.parse(f.read_text())
+        mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        deps[f.stem] = {m.rsplit(".", 1)[1] for m in mods if m.startswith("megatron_dapo.plan.")}
+    assert deps["core"] == deps["memory"] == deps["models"] == set()
+    assert deps["report"] == {"core"} and deps["build"] == {"core", "memory"}
+    done: set[str] = set()
+    while len(done) < len(deps):  # peel modules whose imports are all peeled: fails on a cycle
+        ready = {m for m, d in deps.items() if m not in done and d <= done}
+        assert ready, f"import cycle among {set(deps) - done}"
+        done |= ready

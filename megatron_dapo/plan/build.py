@@ -1,0 +1,239 @@
+"""`make_plan`: will this config fit on N nodes x G GPUs? Fills the typed `Plan` of `core`, listing
+every reason to refuse (a layout that does not divide, a phase that does not fit)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from megatron_dapo.config import Config, ConfigError, data_parallel_size, validate
+from megatron_dapo.plan.core import (Hardware, IdleActor, Layout, ModelSummary, Plan, RolloutPhase,
+                                     SGLangPool, StageMemory, TokenBudget, TrainPhase, fmt_gib)
+from megatron_dapo.plan.memory import (actor_bytes, kv_bytes_per_token, params_dtype, stage_activations,
+                                       stage_params, total_params)
+
+if TYPE_CHECKING:
+    from megatron_dapo.actor.model import ModelSpec
+
+
+def make_plan(cfg: Config, spec: ModelSpec, hw: Hardware, *, model_source: str = "", config_name: str = "",
+              rollout_concurrency: int | None = None) -> Plan:
+    layout = _layout(cfg, spec, hw)
+    train = _train_phase(cfg, spec, hw, layout.dp)
+    rollout = _rollout_phase(cfg, spec, hw, train.worst, rollout_concurrency)
+    problems = [*_config_problems(cfg, spec, hw), *_train_problems(cfg, train.worst, hw),
+                *_rollout_problems(cfg, spec, hw, rollout)]
+    warnings = [*_tp_warnings(cfg, hw), *_rollout_warnings(cfg)]
+    model = ModelSummary(source=model_source, params=total_params(spec), layers=spec.num_layers,
+                         hidden=spec.hidden_size, ffn=spec.ffn_hidden_size, heads=spec.num_heads,
+                         kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, vocab=spec.vocab_size,
+                         vocab_padded=spec.padded_vocab_size(layout.tp), tied_embeddings=spec.tied_embeddings)
+    return Plan(config=config_name, hardware=hw, model=model, layout=layout, train=train, rollout=rollout,
+                tokens=_tokens(cfg, layout.dp), problems=tuple(problems), warnings=tuple(warnings))
+
+
+def _layout(cfg: Config, spec: ModelSpec, hw: Hardware) -> Layout:
+    par, world = cfg.parallel, hw.world_size
+    tp, pp = par.tensor_parallel, par.pipeline_parallel
+    divides = not (spec.num_layers % pp or world % (tp * pp))
+    return Layout(world_size=world, tp=tp, pp=pp,
+                  dp=data_parallel_size(cfg, world) if divides else max(world // (tp * pp), 1),
+                  sequence_parallel=par.sequence_parallel, recompute=cfg.model.recompute,
+                  distributed_optimizer=cfg.actor.optimizer.distributed_optimizer, dtype=params_dtype(cfg),
+                  layers_per_stage=spec.num_layers // pp if spec.num_layers % pp == 0 else None)
+
+
+def _config_problems(cfg: Config, spec: ModelSpec, hw: Hardware) -> list[str]:
+    from megatron_dapo.actor.model import UnsupportedModelError, validate_layout
+
+    problems: list[str] = []
+    try:
+        validate(cfg, hw.world_size)
+    except ConfigError as e:
+        problems += [line.strip().removeprefix("- ") for line in str(e).splitlines()[1:]]
+    tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
+    try:
+        validate_layout(spec, tp, pp)
+    except UnsupportedModelError as e:
+        problems.append(f"model does not split at TP={tp}, PP={pp}: {e}")
+    return problems
+
+
+def _tp_warnings(cfg: Config, hw: Hardware) -> list[str]:
+    tp = cfg.parallel.tensor_parallel
+    if tp > hw.gpus_per_node:
+        return [f"actor TP={tp} spans nodes (gpus_per_node={hw.gpus_per_node}): TP all-reduces "
+                f"go over the network; keep TP inside a node"]
+    if hw.gpus_per_node % tp:
+        return [f"actor TP={tp} does not divide gpus_per_node={hw.gpus_per_node}: some TP groups span nodes"]
+    return []
+
+
+# ------------------------------------------------------------------------------------ train phase
+
+
+def _train_phase(cfg: Config, spec: ModelSpec, hw: Hardware, dp: int) -> TrainPhase:
+    per_param, par = actor_bytes(cfg), cfg.parallel
+    shards = dp if cfg.actor.optimizer.distributed_optimizer else 1
+    stages = []
+    for i, params in enumerate(stage_params(spec, par.tensor_parallel, par.pipeline_parallel)):
+        act = stage_activations(spec, cfg, i)
+        stages.append(StageMemory(
+            stage=i, params=params, weights=per_param.weights * params,
+            main_grads=per_param.main_grads * params, optimizer=per_param.optimizer * params / shards,
+            activations_train=act.train, activations_logprob=act.logprob, train_tokens=act.train_tokens,
+            logprob_tokens=act.logprob_tokens, reserve=hw.reserve_bytes))
+    return TrainPhase(stages=tuple(stages))
+
+
+def _train_problems(cfg: Config, worst: StageMemory, hw: Hardware) -> list[str]:
+    if worst.total <= hw.budget_bytes:
+        return []
+    g = fmt_gib
+    dist_opt = cfg.actor.optimizer.distributed_optimizer
+    return [f"train phase needs {g(worst.total)} GiB per GPU > {hw.limit_text} "
+            f"(stage {worst.stage}: weights {g(worst.weights)} + main grads {g(worst.main_grads)} + "
+            f"optimizer {g(worst.optimizer)} + activations {g(worst.activations)} + reserve "
+            f"{g(worst.reserve)}); use more GPUs (DP shards the optimizer"
+            f"{'' if dist_opt else ' once actor.optimizer.distributed_optimizer=true'}), a larger PP, "
+            f"or a smaller actor.micro_batch_tokens"]
+
+
+# ---------------------------------------------------------------------------------- rollout phase
+
+
+def _engines_per_node(cfg: Config, hw: Hardware) -> int:
+    sg = cfg.rollout.sglang
+    return sg.num_servers or max(hw.gpus_per_node // sg.tensor_parallel, 1)
+
+
+def _sequence_tokens(cfg: Config) -> int:
+    return cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
+
+
+def _generation_prompts(cfg: Config) -> int:
+    return math.ceil(cfg.algo.gen_batch_multiplier * cfg.train.prompt_batch_size)
+
+
+def _sglang_pool(cfg: Config, spec: ModelSpec, hw: Hardware, concurrency: int | None) -> SGLangPool:
+    sg, world, seq = cfg.rollout.sglang, hw.world_size, _sequence_tokens(cfg)
+    stp, per_node = sg.tensor_parallel, _engines_per_node(cfg, hw)
+    engines = max(world // hw.gpus_per_node, 1) * per_node if world % stp == 0 else 0
+    kv_engine, kv_gpu = kv_bytes_per_token(spec, stp)
+    weights, static = 2 * total_params(spec) / stp, sg.mem_fraction_static * hw.gpu_bytes
+    pool_tokens = max(int((static - weights) // kv_gpu), 0)
+    pool_seqs = pool_tokens // seq
+    per_engine = math.ceil(_generation_prompts(cfg) * cfg.algo.group_size / engines) if engines else 0
+    return SGLangPool(
+        sglang_tp=stp, engines=engines, engines_per_node=per_node if engines else 0, weights=weights,
+        static_pool=static, kv_bytes_per_token_engine=kv_engine, kv_bytes_per_token_gpu=kv_gpu,
+        kv_pool_tokens_per_engine=pool_tokens, max_sequence_tokens=seq,
+        worst_case_sequences_in_flight=pool_seqs, sequences_per_round_per_engine=per_engine,
+        worst_case_waves_per_round=math.ceil(per_engine / pool_seqs) if pool_seqs else None,
+        requested_concurrency=concurrency,
+        requested_kv=None if concurrency is None else concurrency * seq * kv_gpu)
+
+
+def _rollout_phase(cfg: Config, spec: ModelSpec, hw: Hardware, worst: StageMemory,
+                   concurrency: int | None) -> RolloutPhase:
+    r = cfg.rollout
+    if r.engine != "sglang":
+        return RolloutPhase(engine=r.engine, colocate=r.colocate)
+    pool = _sglang_pool(cfg, spec, hw, concurrency)
+    if not r.colocate:
+        return RolloutPhase(engine=r.engine, colocate=r.colocate, sglang=pool)
+    offload = cfg.actor.offload_when_idle
+    actor = IdleActor(resident=0.0 if offload else worst.state, offloaded=offload,
+                      host_offload_per_node=worst.state * hw.gpus_per_node if offload else 0.0)
+    return RolloutPhase(engine=r.engine, colocate=r.colocate, sglang=pool, actor=actor,
+                        reserve=hw.reserve_bytes)
+
+
+def _rollout_problems(cfg: Config, spec: ModelSpec, hw: Hardware, rollout: RolloutPhase) -> list[str]:
+    if rollout.sglang is None:
+        return []
+    return [*_sglang_layout_problems(cfg, spec, hw), *_kv_pool_problems(cfg, hw, rollout.sglang),
+            *_rollout_memory_problems(cfg, hw, rollout)]
+
+
+def _sglang_layout_problems(cfg: Config, spec: ModelSpec, hw: Hardware) -> list[str]:
+    stp, world, gpn = cfg.rollout.sglang.tensor_parallel, hw.world_size, hw.gpus_per_node
+    per_node = _engines_per_node(cfg, hw)
+    problems = []
+    if world % stp:
+        problems.append(f"rollout.sglang.tensor_parallel={stp} does not divide the {world} GPUs")
+    if per_node * stp > gpn:
+        problems.append(f"rollout.sglang.num_servers={per_node} x tensor_parallel={stp} needs "
+                        f"{per_node * stp} GPUs per node; a node has {gpn}")
+    if cfg.rollout.colocate and gpn % stp:
+        problems.append(f"rollout.sglang.tensor_parallel={stp} must divide gpus_per_node={gpn} "
+                        f"(a colocated engine lives on one node)")
+    if spec.num_heads % stp:
+        problems.append(f"rollout.sglang.tensor_parallel={stp} does not divide the "
+                        f"{spec.num_heads} attention heads")
+    return problems
+
+
+def _kv_pool_problems(cfg: Config, hw: Hardware, pool: SGLangPool) -> list[str]:
+    g, frac, seq = fmt_gib, cfg.rollout.sglang.mem_fraction_static, pool.max_sequence_tokens
+    problems = []
+    if pool.kv_pool <= 0:
+        problems.append(
+            f"SGLang weights ({g(pool.weights)} GiB per GPU at sglang TP={pool.sglang_tp}) do not fit in "
+            f"mem_fraction_static x GPU = {frac} x {hw.gpu_mem_gib:g} = {g(pool.static_pool)} GiB; "
+            f"raise rollout.sglang.tensor_parallel or mem_fraction_static")
+    elif pool.worst_case_sequences_in_flight < 1:
+        problems.append(
+            f"SGLang KV pool ({g(pool.kv_pool)} GiB per GPU = {pool.kv_pool_tokens_per_engine} tokens per "
+            f"engine) cannot hold one worst-case sequence of {seq} tokens "
+            f"(max_prompt_len + max_response_len)")
+    if pool.requested_kv is not None and pool.requested_kv > max(pool.kv_pool, 0):
+        problems.append(
+            f"--rollout-concurrency {pool.requested_concurrency} worst-case sequences x {seq} tokens need "
+            f"{g(pool.requested_kv)} GiB of KV per GPU > the pool's {g(max(pool.kv_pool, 0))} GiB "
+            f"(at most {pool.worst_case_sequences_in_flight} fit)")
+    return problems
+
+
+def _rollout_memory_problems(cfg: Config, hw: Hardware, rollout: RolloutPhase) -> list[str]:
+    phase = rollout.phase()
+    if phase is None or rollout.actor is None or phase.total <= hw.budget_bytes:
+        return []
+    resident = fmt_gib(rollout.actor.resident)
+    return [f"rollout phase needs {fmt_gib(phase.total)} GiB per GPU > {hw.limit_text} "
+            f"(SGLang {cfg.rollout.sglang.mem_fraction_static} x {hw.gpu_mem_gib:g} + actor resident "
+            f"{resident}{'' if rollout.actor.offloaded else ' (actor.offload_when_idle=false)'} + reserve "
+            f"{fmt_gib(rollout.reserve)})"]
+
+
+def _rollout_warnings(cfg: Config) -> list[str]:
+    r = cfg.rollout
+    if r.engine != "sglang":
+        return [f"rollout.engine={r.engine}: the in-process engine is the CPU test bed; no KV sizing"]
+    if not r.colocate:
+        return ["rollout.colocate=false: the rollout GPUs are not part of this config, so only the "
+                "actor is sized here"]
+    return []
+
+
+# ----------------------------------------------------------------------------------------- tokens
+
+
+def _tokens(cfg: Config, dp: int) -> TokenBudget:
+    a, t, seq = cfg.algo, cfg.train, _sequence_tokens(cfg)
+    updates = a.epochs_per_rollout * t.prompt_batch_size // max(t.mini_batch_size, 1)
+    trained_seqs = t.prompt_batch_size * a.group_size
+    gen_prompts = _generation_prompts(cfg)
+    return TokenBudget(
+        sequence_tokens_max=seq,
+        trained_sequences_per_step=trained_seqs,
+        trained_tokens_per_step_max=trained_seqs * seq,
+        trained_tokens_per_dp_rank_max=trained_seqs * seq // max(dp, 1),
+        generation_prompts_per_round=gen_prompts,
+        generated_sequences_per_round=gen_prompts * a.group_size,
+        generated_tokens_per_round_max=gen_prompts * a.group_size * cfg.rollout.max_response_len,
+        max_generation_rounds=a.max_gen_rounds if a.dynamic_sampling else 1,
+        updates_per_step=updates,
+        sequences_per_update=trained_seqs // max(updates // a.epochs_per_rollout, 1),
+        micro_batches_per_update_per_dp_rank_max=math.ceil(
+            t.mini_batch_size * a.group_size / max(dp, 1) / max(cfg.actor.micro_batch_tokens // seq, 1)))

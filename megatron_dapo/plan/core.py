@@ -1,0 +1,262 @@
+"""The planner's typed plan: hardware, model, layout, per-GPU memory of each phase, tokens per step.
+
+A phase of the colocated hybrid engine (train: the actor works, the engine sleeps; rollout: the
+engine generates, the actor is offloaded or resident) is a `PhaseMemory`: named components with
+their bytes per side (actor, engine) plus the reserve. `megatron_dapo.plan.build.make_plan` fills
+these types; `megatron_dapo.plan.memory` holds the memory model behind the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+GIB = 2**30
+
+
+def fmt_gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f}"
+
+
+def _record(obj: Any, *derived: str) -> dict[str, Any]:
+    """A dataclass's fields plus the named derived properties, for JSON."""
+    return asdict(obj) | {name: getattr(obj, name) for name in derived}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    nodes: int
+    gpus_per_node: int
+    gpu_mem_gib: float = 80.0
+    reserve_gib: float = 4.0
+    max_util: float = 0.9
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def budget_gib(self) -> float:
+        return self.gpu_mem_gib * self.max_util
+
+    @property
+    def gpu_bytes(self) -> float:
+        return self.gpu_mem_gib * GIB
+
+    @property
+    def budget_bytes(self) -> float:
+        return self.budget_gib * GIB
+
+    @property
+    def reserve_bytes(self) -> float:
+        return self.reserve_gib * GIB
+
+    @property
+    def limit_text(self) -> str:
+        return f"{self.max_util:g} x {self.gpu_mem_gib:g} = {self.budget_gib:.1f} GiB"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSummary:
+    source: str
+    params: int
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    vocab_padded: int
+    tied_embeddings: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    sequence_parallel: bool
+    recompute: str
+    distributed_optimizer: bool
+    dtype: str
+    layers_per_stage: int | None  # None: PP does not divide the layers
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseMemory:
+    """What one GPU holds in one phase: component name -> bytes for each side, plus the reserve."""
+
+    name: str
+    actor: dict[str, float] = field(default_factory=dict)
+    engine: dict[str, float] = field(default_factory=dict)
+    reserve: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(self.actor.values()) + sum(self.engine.values()) + self.reserve
+
+    def to_dict(self) -> dict[str, Any]:
+        return _record(self, "total")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageMemory:
+    """The train phase on one GPU of one pipeline stage."""
+
+    stage: int
+    params: int
+    weights: float
+    main_grads: float
+    optimizer: float
+    activations_train: float
+    activations_logprob: float
+    train_tokens: int
+    logprob_tokens: int
+    reserve: float
+
+    @property
+    def activations(self) -> float:
+        return max(self.activations_train, self.activations_logprob)
+
+    @property
+    def state(self) -> float:
+        """Weights, grads and optimizer: what actor.offload_when_idle moves to host memory."""
+        return self.weights + self.main_grads + self.optimizer
+
+    def phase(self) -> PhaseMemory:
+        return PhaseMemory(name="train", reserve=self.reserve, actor={
+            "weights": self.weights, "main_grads": self.main_grads, "optimizer": self.optimizer,
+            "activations": self.activations})
+
+    @property
+    def total(self) -> float:
+        return self.phase().total
+
+    def to_dict(self) -> dict[str, Any]:
+        return _record(self, "activations", "total")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainPhase:
+    stages: tuple[StageMemory, ...]
+
+    @property
+    def worst(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGLangPool:
+    """SGLang's static pool (mem_fraction_static x GPU) per GPU: engine weights + KV cache."""
+
+    sglang_tp: int
+    engines: int
+    engines_per_node: int
+    weights: float
+    static_pool: float
+    kv_bytes_per_token_engine: int
+    kv_bytes_per_token_gpu: int
+    kv_pool_tokens_per_engine: int
+    max_sequence_tokens: int
+    worst_case_sequences_in_flight: int
+    sequences_per_round_per_engine: int
+    worst_case_waves_per_round: int | None
+    requested_concurrency: int | None = None  # --rollout-concurrency
+    requested_kv: int | None = None
+
+    @property
+    def kv_pool(self) -> float:
+        return self.static_pool - self.weights
+
+    def to_dict(self) -> dict[str, Any]:
+        return _record(self, "kv_pool")
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdleActor:
+    """The actor's state on the GPU while a colocated engine generates."""
+
+    resident: float
+    offloaded: bool  # actor.offload_when_idle
+    host_offload_per_node: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutPhase:
+    """Generation: the engine's sizing and, for colocated SGLang, what the actor leaves on the GPU."""
+
+    engine: str
+    colocate: bool
+    sglang: SGLangPool | None = None  # rollout.engine=sglang
+    actor: IdleActor | None = None  # colocated SGLang: the phase shares the actor's GPUs
+    reserve: float = 0.0
+
+    def phase(self) -> PhaseMemory | None:
+        if self.sglang is None or self.actor is None:
+            return None
+        return PhaseMemory(name="rollout", reserve=self.reserve, actor={"resident": self.actor.resident},
+                           engine={"weights": self.sglang.weights, "kv_cache": self.sglang.kv_pool})
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"engine": self.engine, "colocate": self.colocate}
+        if self.sglang is not None:
+            out |= self.sglang.to_dict()
+        phase = self.phase()
+        if self.actor is not None and phase is not None:
+            out |= {"actor_resident": self.actor.resident, "actor_offloaded": self.actor.offloaded,
+                    "reserve": self.reserve, "total": phase.total,
+                    "host_offload_per_node": self.actor.host_offload_per_node}
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenBudget:
+    """Tokens and updates per step; upper bounds (every sequence at its maximum length)."""
+
+    sequence_tokens_max: int
+    trained_sequences_per_step: int
+    trained_tokens_per_step_max: int
+    trained_tokens_per_dp_rank_max: int
+    generation_prompts_per_round: int
+    generated_sequences_per_round: int
+    generated_tokens_per_round_max: int
+    max_generation_rounds: int
+    updates_per_step: int
+    sequences_per_update: int
+    micro_batches_per_update_per_dp_rank_max: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Everything the planner found; `problems` non-empty = refused."""
+
+    config: str
+    hardware: Hardware
+    model: ModelSummary
+    layout: Layout
+    train: TrainPhase
+    rollout: RolloutPhase
+    tokens: TokenBudget
+    problems: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def phases(self) -> tuple[PhaseMemory, ...]:
+        """The phases sized on the actor's GPUs: train, and rollout when SGLang is colocated."""
+        rollout = self.rollout.phase()
+        return (self.train.worst.phase(),) + ((rollout,) if rollout is not None else ())
+
+    def to_dict(self) -> dict[str, Any]:
+        hw = self.hardware
+        memory = {"gpu": hw.gpu_bytes, "budget": hw.budget_bytes, "train_phase": self.train.worst.to_dict(),
+                  "stages": [s.to_dict() for s in self.train.stages], "rollout_phase": self.rollout.to_dict()}
+        return {"config": self.config, "hardware": _record(hw, "world_size"), "model": asdict(self.model),
+                "layout": asdict(self.layout), "memory": memory,
+                "phases": {p.name: p.to_dict() for p in self.phases}, "tokens": asdict(self.tokens),
+                "problems": list(self.problems), "warnings": list(self.warnings), "fits": self.fits}

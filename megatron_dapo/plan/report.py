@@ -1,0 +1,129 @@
+"""The planner's human-readable report (`python -m megatron_dapo.plan` without --json)."""
+
+from __future__ import annotations
+
+from megatron_dapo.plan.core import Plan, RolloutPhase, SGLangPool, fmt_gib as _g
+
+
+def _n(x: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.2f} {unit}"
+    return f"{x:g}"
+
+
+def format_plan(plan: Plan) -> str:
+    lines = _header(plan) + _train_lines(plan)
+    if plan.rollout.sglang is not None:
+        lines += _rollout_lines(plan, plan.rollout, plan.rollout.sglang)
+    lines += _token_lines(plan)
+    lines += [f"warning: {w}" for w in plan.warnings]
+    lines.append("")
+    if plan.fits:
+        lines.append("verdict: FITS")
+    else:
+        lines.append("verdict: REFUSED")
+        lines += [f"  - {p}" for p in plan.problems]
+    return "\n".join(lines)
+
+
+def _planned(plan: Plan) -> str:
+    return f"{plan.hardware.budget_gib:.1f}"
+
+
+def _header(plan: Plan) -> list[str]:
+    hw, m, lay, ro = plan.hardware, plan.model, plan.layout, plan.rollout
+    on_off = "on" if lay.sequence_parallel else "off"
+    optim = "distributed" if lay.distributed_optimizer else "replicated"
+    lines = [
+        f"plan: {plan.config} on {hw.nodes} node(s) x {hw.gpus_per_node} GPUs = {hw.world_size} GPUs "
+        f"of {hw.gpu_mem_gib:g} GiB (planned to {hw.max_util:g} of it: {_planned(plan)} GiB)",
+        f"model: {_n(m.params)} params, {m.layers} layers, hidden {m.hidden}, FFN {m.ffn}, "
+        f"{m.heads} heads / {m.kv_heads} KV heads x {m.head_dim}, vocab {m.vocab} "
+        f"(padded {m.vocab_padded}), {'tied' if m.tied_embeddings else 'untied'} embeddings",
+        f"       from {m.source}",
+        "",
+        "layout",
+        f"  actor    TP={lay.tp} x PP={lay.pp} x DP={lay.dp} = {lay.world_size}; "
+        f"{lay.layers_per_stage} layers per stage; sequence parallel {on_off}; recompute {lay.recompute}; "
+        f"{optim} optimizer; {lay.dtype} params",
+    ]
+    if ro.sglang is not None:
+        where = "colocated" if ro.colocate else "separate GPUs"
+        lines.append(f"  rollout  SGLang, {where}: {ro.sglang.engines} engines x TP={ro.sglang.sglang_tp} "
+                     f"({ro.sglang.engines_per_node} per node)")
+    else:
+        lines.append(f"  rollout  {ro.engine} engine")
+    return lines
+
+
+def _train_lines(plan: Plan) -> list[str]:
+    lay, tr = plan.layout, plan.train.worst
+    dp_note = f" / DP {lay.dp}" if lay.distributed_optimizer else ""
+    w_bytes, o_bytes = (2, 12) if lay.dtype == "bfloat16" else (4, 8)
+    return [
+        "",
+        f"per-GPU memory, train phase (worst stage: {tr.stage}), GiB",
+        f"  weights       {_g(tr.weights):>8}   {w_bytes} B x {_n(tr.params)} params on this GPU",
+        f"  main grads    {_g(tr.main_grads):>8}   fp32, 4 B x params",
+        f"  optimizer     {_g(tr.optimizer):>8}   {o_bytes} B x params{dp_note} (fp32 master + Adam m, v)",
+        f"  activations   {_g(tr.activations):>8}   max(train {_g(tr.activations_train)} @ "
+        f"{tr.train_tokens} tokens, logprob {_g(tr.activations_logprob)} @ {tr.logprob_tokens} tokens), "
+        f"recompute {lay.recompute}",
+        f"  reserve       {_g(tr.reserve):>8}   CUDA contexts, NCCL buffers (--reserve-gb)",
+        f"  total         {_g(tr.phase().total):>8}   of {_planned(plan)} planned",
+    ]
+
+
+def _rollout_lines(plan: Plan, ro: RolloutPhase, sg: SGLangPool) -> list[str]:
+    m = plan.model
+    kv_heads_gpu = max(1, m.kv_heads // sg.sglang_tp)
+    lines = [
+        "",
+        "per-GPU memory, rollout phase (SGLang awake), GiB",
+        f"  SGLang pool   {_g(sg.static_pool):>8}   mem_fraction_static x GPU",
+        f"    weights     {_g(sg.weights):>8}   2 B x {_n(m.params)} / sglang TP {sg.sglang_tp}",
+        f"    KV cache    {_g(sg.kv_pool):>8}   {sg.kv_bytes_per_token_gpu} B/token/GPU "
+        f"(2 x {m.layers} layers x {kv_heads_gpu} KV heads x {m.head_dim} x 2 B; "
+        f"{sg.kv_bytes_per_token_engine} B/token per engine) = "
+        f"{_n(sg.kv_pool_tokens_per_engine)} tokens per engine",
+    ]
+    phase = ro.phase()
+    if ro.actor is not None and phase is not None:
+        if ro.actor.offloaded:
+            actor = (f"offloaded to host (actor.offload_when_idle): "
+                     f"{_g(ro.actor.host_offload_per_node)} GiB host RAM per node")
+        else:
+            actor = "weights + grads + optimizer stay on the GPU"
+        lines += [
+            f"  actor         {_g(ro.actor.resident):>8}   {actor}",
+            f"  reserve       {_g(ro.reserve):>8}",
+            f"  total         {_g(phase.total):>8}   of {_planned(plan)} planned",
+        ]
+    waves = sg.worst_case_waves_per_round
+    lines.append(
+        f"  in flight: {sg.worst_case_sequences_in_flight} worst-case sequences "
+        f"({sg.max_sequence_tokens} tokens) per engine; a generation round is "
+        f"{sg.sequences_per_round_per_engine} sequences per engine"
+        + (f" (>= {waves} waves if all ran to the limit)" if waves else ""))
+    if sg.requested_concurrency is not None and sg.requested_kv is not None:
+        lines.append(f"  --rollout-concurrency {sg.requested_concurrency}: "
+                     f"KV {_g(sg.requested_kv)} GiB per GPU")
+    return lines
+
+
+def _token_lines(plan: Plan) -> list[str]:
+    tok = plan.tokens
+    return [
+        "",
+        "tokens per step (upper bounds: every sequence at max_prompt_len + max_response_len)",
+        f"  trained     {tok.trained_sequences_per_step} sequences x {tok.sequence_tokens_max} = "
+        f"{_n(tok.trained_tokens_per_step_max)} tokens "
+        f"({_n(tok.trained_tokens_per_dp_rank_max)} per DP rank)",
+        f"  generated   {tok.generation_prompts_per_round} prompts x G per round = "
+        f"{tok.generated_sequences_per_round} sequences, <= {_n(tok.generated_tokens_per_round_max)} "
+        f"response tokens; <= {tok.max_generation_rounds} rounds",
+        f"  updates     {tok.updates_per_step} optimizer update(s) per step "
+        f"({tok.sequences_per_update} sequences each, "
+        f"<= {tok.micro_batches_per_update_per_dp_rank_max} micro-batches per DP rank)",
+    ]
