@@ -6,7 +6,7 @@
 #   sbatch examples/run_dapo_tiny.sh [overrides]                      # the same, from the repository root
 #
 # LAUNCH=local (the default outside a Slurm allocation): checks the config, builds the tiny base
-# model into checkpoints/tiny_base if it is missing (about 90 s, once; skipped when model.hf_dir is
+# model into checkpoints/tiny_base if it is missing (about 3 min, once; skipped when model.hf_dir is
 # overridden), then runs `python -m megatron_dapo.train --config examples/configs/tiny_cpu.yaml
 # overrides` and exits with its status. TensorBoard: runs/tiny_cpu/.
 #
@@ -44,12 +44,7 @@ ensure_tiny_base() {
   for arg in "$@"; do
     case "$arg" in model.hf_dir=*) return 0 ;; esac
   done
-  "$PYTHON" - "$TINY_BASE" <<'EOF'
-import sys
-sys.path.insert(0, "tools")
-from make_tiny_base import ensure_tiny_base
-ensure_tiny_base(sys.argv[1])
-EOF
+  "$PYTHON" -c 'import sys; from megatron_dapo.tiny import ensure_tiny_base; ensure_tiny_base(sys.argv[1])' "$TINY_BASE"
 }
 
 LAUNCH=${LAUNCH:-auto}

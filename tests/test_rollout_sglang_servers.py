@@ -23,12 +23,9 @@ from megatron_dapo.rollout.sglang_launch import launch_servers
 def _trainer_cmd(tmp_path, run: str, *overrides: str) -> list[str]:
     """`python -m megatron_dapo.train` on a quick tiny base with SGLang rollouts: test_train's small
     two-step settings, then `overrides` (later ones win)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    from make_tiny_base import ensure_tiny_base
     from test_train import train_cmd
+
+    from megatron_dapo.tiny import ensure_tiny_base
 
     base = ensure_tiny_base(tmp_path / "tiny_base", seconds=8)
     return train_cmd(base, tmp_path, run, "rollout.engine=sglang", "train.steps=2", "checkpoint.save_every=0",

@@ -189,8 +189,7 @@ def slurm_jobs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("slurm")
     base = REPO / "checkpoints" / "tiny_base"
     if not (base / "base_info.json").is_file():  # CI's first command builds it; else a quick one
-        sys.path.insert(0, str(REPO / "tools"))
-        from make_tiny_base import ensure_tiny_base
+        from megatron_dapo.tiny import ensure_tiny_base
 
         base = ensure_tiny_base(tmp / "tiny_base", seconds=5)
     t0 = time.monotonic()

@@ -1,11 +1,13 @@
 """Prompt rendering / response decoding (megatron_dapo.data.render) and the tiny base builder
-(tools/make_tiny_base.py): a few-step build into tmp_path that loads back as a Hugging Face model."""
+(megatron_dapo.tiny: its tokenizer, warm-start data, and a few-step build into tmp_path that loads back
+as a Hugging Face model, through both command lines)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,13 +15,15 @@ import torch
 
 from megatron_dapo.data.arithmetic import arithmetic_target, make_arithmetic_prompts
 from megatron_dapo.data.render import _as_int_list, decode_response, has_chat_template, render_prompt_ids
+from megatron_dapo.tiny import OutputExistsError, Settings, build_tiny_base, ensure_tiny_base
+from megatron_dapo.tiny import base as tiny_base
+from megatron_dapo.tiny import warmstart_data as wd
+from megatron_dapo.tiny.__main__ import EXIT_REFUSED, main
+from megatron_dapo.tiny.tokenizer import build_char_tokenizer
+from megatron_dapo.tiny.warmstart import TrainResult
 from megatron_dapo.types import Prompt
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # `tools` is a namespace package at the repository root
-
-import tools._tiny_base_data as tbd  # noqa: E402
-import tools.make_tiny_base as mtb  # noqa: E402
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -29,7 +33,7 @@ CHAT_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def char_tokenizer():
-    return mtb.build_char_tokenizer()
+    return build_char_tokenizer()
 
 
 def _prompt(*contents: str) -> Prompt:
@@ -69,7 +73,7 @@ def test_render_without_chat_template_joins_contents(char_tokenizer):
 
 
 def test_render_with_chat_template(char_tokenizer):
-    tok = mtb.build_char_tokenizer()
+    tok = build_char_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
     assert has_chat_template(tok) and not has_chat_template(char_tokenizer)
     ids = render_prompt_ids(tok, _prompt("sys", "1+2="))
@@ -115,16 +119,16 @@ def test_decode_response_skips_special_tokens(char_tokenizer):
 def test_training_examples_mask_the_prompt(char_tokenizer):
     tok = char_tokenizer
     prompts = make_arithmetic_prompts(3, seed=0)
-    examples = tbd.make_examples(tok, prompts)
+    examples = wd.make_examples(tok, prompts)
     rows = [(ex.prompt_ids, ex.targets[("ramble", 2)]) for ex in examples]
-    input_ids, labels = tbd.collate(rows, tok.pad_token_id)
+    input_ids, labels = wd.collate(rows, tok.pad_token_id)
     for row, (prompt, ex) in enumerate(zip(prompts, examples)):
         assert ex.prompt_ids == render_prompt_ids(tok, prompt)
         n = len(ex.prompt_ids)
         target = labels[row][labels[row] != -100].tolist()
         assert input_ids[row, :n].tolist() == ex.prompt_ids and target == rows[row][1]
         assert target[-1] == tok.eos_token_id
-        assert tok.decode(target, skip_special_tokens=True) == tbd.style_response(prompt, "ramble", 2)
+        assert tok.decode(target, skip_special_tokens=True) == wd.style_response(prompt, "ramble", 2)
         assert tok.decode(ex.targets[("answer", 1)], skip_special_tokens=True) == arithmetic_target(prompt)
 
 
@@ -133,14 +137,14 @@ def test_answer_styles_and_what_the_reward_makes_of_them():
 
     prompt = make_arithmetic_prompts(1, seed=0)[0]
     question, truth = prompt.messages[0]["content"], prompt.ground_truth
-    assert tbd.style_response(prompt, "answer") == f"Answer: {truth}"
-    assert tbd.style_response(prompt, "bare") == truth
-    assert tbd.style_response(prompt, "sentence") == f"The answer is {truth}"
-    assert tbd.style_response(prompt, "ramble", 2) == f"{question}? {question}? Answer: {truth}"
-    scores = {s: compute_score(tbd.style_response(prompt, s, 1), truth).score for s in tbd.STYLE_WEIGHTS}
+    assert wd.style_response(prompt, "answer") == f"Answer: {truth}"
+    assert wd.style_response(prompt, "bare") == truth
+    assert wd.style_response(prompt, "sentence") == f"The answer is {truth}"
+    assert wd.style_response(prompt, "ramble", 2) == f"{question}? {question}? Answer: {truth}"
+    scores = {s: compute_score(wd.style_response(prompt, s, 1), truth).score for s in wd.STYLE_WEIGHTS}
     assert scores == {"answer": 1.0, "bare": -1.0, "sentence": -1.0, "ramble": 1.0}
     with pytest.raises(ValueError, match="unknown style"):
-        tbd.style_response(prompt, "haiku")
+        wd.style_response(prompt, "haiku")
 
 
 def test_batches_draw_styles_by_weight(char_tokenizer):
@@ -149,16 +153,16 @@ def test_batches_draw_styles_by_weight(char_tokenizer):
 
     tok = char_tokenizer
     prompts = make_arithmetic_prompts(40, seed=1)
-    examples = tbd.make_examples(tok, prompts)
+    examples = wd.make_examples(tok, prompts)
     by_target = {tuple(t): key for ex in examples for key, t in ex.targets.items()}
-    data = tbd.batches(examples, 20, tok.pad_token_id, random.Random(0))
+    data = wd.batches(examples, 20, tok.pad_token_id, random.Random(0))
     counts: Counter = Counter()
     for _ in range(200):  # 4000 draws, 100 epochs of the 40 examples
         _, labels = next(data)
         for row in labels:
             counts[by_target[tuple(row[row != -100].tolist())][0]] += 1
     total = sum(counts.values())
-    for style, weight in tbd.STYLE_WEIGHTS.items():  # binomial std <= 0.008 at n=4000; 0.03 is > 3.5 std
+    for style, weight in wd.STYLE_WEIGHTS.items():  # binomial std <= 0.008 at n=4000; 0.03 is > 3.5 std
         assert abs(counts[style] / total - weight) < 0.03, (style, counts)
 
 
@@ -205,9 +209,9 @@ def test_short_build_loads_and_refuses_overwrite(tmp_path, python_env, capsys):
     # a non-empty --out is refused without --force (exit 2, nothing touched); ensure_* does not rebuild
     before = (out / "model.safetensors").read_bytes()
     capsys.readouterr()
-    assert mtb.main(["--out", str(out), "--seconds", "1", "--steps", "1"]) == mtb.EXIT_REFUSED
+    assert main(["--out", str(out), "--seconds", "1", "--steps", "1"]) == EXIT_REFUSED
     assert "--force" in capsys.readouterr().err
-    assert mtb.ensure_tiny_base(str(out)) == out
+    assert ensure_tiny_base(str(out)) == out
     assert (out / "model.safetensors").read_bytes() == before
 
 
@@ -215,39 +219,74 @@ def test_refuses_foreign_nonempty_out(tmp_path, capsys):
     out = tmp_path / "taken"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    assert mtb.main(["--out", str(out), "--steps", "1"]) == mtb.EXIT_REFUSED
+    assert main(["--out", str(out), "--steps", "1"]) == EXIT_REFUSED
     assert "--force" in capsys.readouterr().err
-    with pytest.raises(mtb.OutputExistsError):
-        mtb.ensure_tiny_base(out)  # no base_info.json, but not ours: never deleted
+    with pytest.raises(OutputExistsError):
+        ensure_tiny_base(out)  # no base_info.json, but not ours: never deleted
     assert (out / "notes.txt").read_text() == "mine"
 
 
-def test_force_replaces_out(tmp_path, monkeypatch):
-    """--force swaps in the new build (training and evaluation stubbed out: this checks the file handling)."""
-    monkeypatch.setattr(mtb, "train", lambda *a, **k: mtb.TrainResult(0, 0.0, 0.0, False))
-    stub_eval = {"greedy_acc": 0.0, "sampled_acc": 0.0, "examples": []}
-    monkeypatch.setattr(mtb, "evaluate", lambda *a, **k: stub_eval)
+def test_force_replaces_out(tmp_path, stub_training):
+    """--force swaps in the new build."""
     out = tmp_path / "tb"
     out.mkdir()
     (out / "stale.txt").write_text("old")
-    with pytest.raises(mtb.OutputExistsError):
-        mtb.build_tiny_base(out, mtb.Settings(seed=1), progress=False)
-    info = mtb.build_tiny_base(out, mtb.Settings(seed=1), force=True, progress=False)
+    with pytest.raises(OutputExistsError):
+        build_tiny_base(out, Settings(seed=1), progress=False)
+    info = build_tiny_base(out, Settings(seed=1), force=True, progress=False)
     assert info["seed"] == 1 and not (out / "stale.txt").exists()
     assert json.loads((out / "base_info.json").read_text())["params"] == info["params"]
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".tb.lock")) == ["tb"]
 
 
-def test_ensure_rebuilds_a_base_of_an_older_recipe(tmp_path, monkeypatch):
-    monkeypatch.setattr(mtb, "train", lambda *a, **k: mtb.TrainResult(0, 0.0, 0.0, False))
-    monkeypatch.setattr(mtb, "evaluate", lambda *a, **k: {"greedy_acc": 0.0, "sampled_acc": 0.0, "examples": []})
+@pytest.fixture
+def stub_training(monkeypatch):
+    """Training and evaluation stubbed out: what is left is the build's file and recipe handling."""
+    monkeypatch.setattr(tiny_base, "train", lambda *a, **k: TrainResult(0, 0.0, 0.0, False))
+    monkeypatch.setattr(tiny_base, "evaluate", lambda *a, **k: {"greedy_acc": 0.0, "sampled_acc": 0.0, "examples": []})
+
+
+@pytest.mark.parametrize("old_info", [{"params": 1}, {"params": 1, "recipe": 1}, {"params": 1, "recipe": 2}],
+                         ids=["before-recipes", "older-recipe", "before-fingerprints"])
+def test_ensure_rebuilds_a_base_of_an_older_recipe(tmp_path, stub_training, old_info, capsys):
     out = tmp_path / "tb"
     out.mkdir()
-    (out / "base_info.json").write_text(json.dumps({"params": 1}))  # built before recipes were recorded
+    (out / "base_info.json").write_text(json.dumps(old_info))
     (out / "model.safetensors").write_text("old")
-    assert mtb.ensure_tiny_base(out) == out
+    assert ensure_tiny_base(out) == out
+    assert "building the tiny base" in capsys.readouterr().out
     info = json.loads((out / "base_info.json").read_text())
-    assert info["recipe"] == mtb.RECIPE and info["style_weights"] == tbd.STYLE_WEIGHTS
+    assert info["recipe"] == tiny_base.RECIPE and info["style_weights"] == wd.STYLE_WEIGHTS
+    assert info["recipe_fingerprint"] == tiny_base.recipe_fingerprint()
     assert (out / "model.safetensors").read_bytes() != b"old"
     stamp = (out / "model.safetensors").stat().st_mtime_ns
-    assert mtb.ensure_tiny_base(out) == out and (out / "model.safetensors").stat().st_mtime_ns == stamp
+    assert ensure_tiny_base(out) == out and (out / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_a_change_of_the_settings_defaults_rebuilds(tmp_path, stub_training, monkeypatch):
+    out = tmp_path / "tb"
+    ensure_tiny_base(out)
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    before = tiny_base.recipe_fingerprint()
+    assert before == tiny_base.recipe_fingerprint() and before.startswith(f"{tiny_base.RECIPE}-")
+
+    @dataclass(frozen=True)
+    class NewDefaults(Settings):
+        lr: float = Settings.lr / 2
+
+    monkeypatch.setattr(tiny_base, "Settings", NewDefaults)
+    after = tiny_base.recipe_fingerprint()
+    assert after != before and after.startswith(f"{tiny_base.RECIPE}-")
+    assert ensure_tiny_base(out) == out
+    info = json.loads((out / "base_info.json").read_text())
+    assert info["recipe_fingerprint"] == after and info["settings"]["lr"] == Settings.lr / 2
+    assert (out / "model.safetensors").stat().st_mtime_ns != stamp
+    monkeypatch.setattr(tiny_base, "STYLE_WEIGHTS", {**wd.STYLE_WEIGHTS, "answer": 0.5})
+    assert tiny_base.recipe_fingerprint() not in (before, after)  # the data mix counts too
+
+
+def test_module_command_line_refuses_bad_limits(tmp_path, python_env):
+    proc = subprocess.run([sys.executable, "-m", "megatron_dapo.tiny", "--out", str(tmp_path / "tb"), "--steps", "0"],
+                          capture_output=True, text=True, env=python_env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == EXIT_REFUSED and "--steps and --seconds must be positive" in proc.stderr
+    assert not (tmp_path / "tb").exists()

@@ -25,8 +25,7 @@ SMALL = ["train.prompt_batch_size=8", "train.mini_batch_size=4", "algo.group_siz
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
-    sys.path.insert(0, str(REPO / "tools"))
-    from make_tiny_base import ensure_tiny_base
+    from megatron_dapo.tiny import ensure_tiny_base
 
     return ensure_tiny_base(tmp_path_factory.mktemp("base") / "tiny_base", seconds=8)
 

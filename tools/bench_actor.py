@@ -34,13 +34,16 @@ def parse() -> argparse.Namespace:
 
 def make_model(args: argparse.Namespace, path: Path) -> None:
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
+
+    from megatron_dapo.tiny import tiny_config
 
     torch.manual_seed(0)
     heads = max(4, args.hidden // 64)
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-                                 num_hidden_layers=args.layers, num_attention_heads=heads,
-                                 num_key_value_heads=heads // 2, max_position_embeddings=args.seq)).save_pretrained(path)
+    Qwen2ForCausalLM(tiny_config("qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
+                                 intermediate_size=args.hidden * 3, num_hidden_layers=args.layers,
+                                 num_attention_heads=heads, num_key_value_heads=heads // 2,
+                                 max_position_embeddings=args.seq)).save_pretrained(path)
 
 
 def worker(args: argparse.Namespace) -> None:

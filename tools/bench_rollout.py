@@ -21,10 +21,11 @@ import time
 from collections.abc import Callable
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.embedded import EmbeddedEngine
+from megatron_dapo.tiny import tiny_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_model(args: argparse.Namespace) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+    cfg = tiny_config("qwen2", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
                       num_key_value_heads=args.kv_heads,
                       max_position_embeddings=args.prompt_len + args.new_tokens + 8)

@@ -1,4 +1,5 @@
-"""The supervised warm-start data of tools/make_tiny_base.py: answer styles, examples, batches.
+"""The supervised warm-start data of the tiny base (`megatron_dapo.tiny.base`): answer styles, examples,
+batches.
 
 A pretrained base model knows some arithmetic but does not reliably answer in the form the verifier
 reads, and sometimes talks past its length budget; DAPO's first gains on a real base come from
