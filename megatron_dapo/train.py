@@ -13,6 +13,7 @@ import sys
 import time
 
 from megatron_dapo import parallel
+from megatron_dapo.cli import quiet_third_party
 from megatron_dapo.config import Config, ConfigError, build_parser, load_config, to_yaml, validate
 from megatron_dapo.rollout.collect import StepRollout, collect_step
 from megatron_dapo.run_state import RunState, SetupError, build_run, step_sampling
@@ -66,17 +67,6 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
         run.sync_weights()
     scalars.update(run.update_scalars(update, batch, entropy, groups))
     return {**scalars, **run.timings(t_step, tokens=int(batch.lengths.sum()))}
-
-
-def quiet_third_party() -> None:
-    """Megatron logs every grad bucket at INFO and warns that apex/TE are absent (expected on CPU)."""
-    import warnings
-
-    for name in ("megatron", "megatron.core", "matplotlib"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
-    warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
-    warnings.filterwarnings("ignore", category=FutureWarning, module="megatron")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,16 +1,18 @@
-"""tools/convert_hf_to_megatron.py and tools/convert_megatron_to_hf.py on tiny random models built with
-transformers: a Qwen2 (qkv bias, untied lm_head) and a Llama (tied embeddings), vocab 300 so that the
-padded vocab differs between TP1/PP2 (384) and TP2 (512).
+"""tools/convert_hf_to_megatron.py and tools/convert_megatron_to_hf.py (and megatron_dapo.actor.convert behind
+them) on tiny random models from megatron_dapo.tiny: a Qwen2 (qkv bias, untied lm_head) and a Llama (tied
+embeddings), vocab 300 so that the padded vocab differs between TP1/PP2 (384) and TP2 (512).
 
-Round trips HF -> Megatron -> HF must be bit-identical (tensors, dtypes, config.json, tokenizer files).
-Megatron logits vs transformers <= 1e-4 (fp32): TP2 and PP2 through convert_hf_to_megatron --verify (the
-tool spawns 2 gloo ranks and reloads what it wrote), TP1 through convert_megatron_to_hf --verify (reading
-the TP2-written checkpoint), and TP2 through the actor's own load_checkpoint of the PP2-written one.
-Bad inputs must fail with one clear line and exit code 2, never a traceback.
+Round trips HF -> Megatron -> HF must be bit-identical (tensors, dtypes, config.json, tokenizer files and
+chat template). Megatron logits vs transformers <= 1e-4 (fp32): TP2 and PP2 through convert_hf_to_megatron
+--verify (the tool spawns 2 gloo ranks and reloads what it wrote), TP1 through convert_megatron_to_hf --verify
+(reading the TP2-written checkpoint), and TP2 through the actor's own load_checkpoint of the PP2-written one.
+Bad inputs must fail with one clear line and exit code 2, never a traceback: the tools run as scripts where
+a test checks the command line, the library's checks run in this process.
 """
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,48 +20,45 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-TOOLS = REPO / "tools"
-WORKER = Path(__file__).parent / "workers" / "convert_worker.py"
-TO_MEGATRON, TO_HF = TOOLS / "convert_hf_to_megatron.py", TOOLS / "convert_megatron_to_hf.py"
-sys.path.insert(0, str(TOOLS))
-import _convert_common as cc  # noqa: E402
+from megatron_dapo.actor import convert
+from megatron_dapo.actor.convert_checks import EXIT_OK, EXIT_VERIFY_FAILED, USER_ERRORS, parse_size
+from megatron_dapo.actor.convert_verify import compare_logits, hf_logits, report_verify, verify_tokens
+from megatron_dapo.cli import UserError
+from megatron_dapo.hf_files import SafetensorsReader
+from megatron_dapo.tiny import tiny_model
 
-TOKENIZER_FILES = {"tokenizer.json": '{"version": "1.0", "model": {"type": "BPE"}}\n',
-                   "tokenizer_config.json": '{"model_max_length": 128}\n',
-                   "special_tokens_map.json": '{"eos_token": "<|endoftext|>"}\n'}
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).parent / "workers" / "convert_worker.py"
+TO_MEGATRON, TO_HF = REPO / "tools" / "convert_hf_to_megatron.py", REPO / "tools" / "convert_megatron_to_hf.py"
+
+AUX_FILES = {"tokenizer.json": '{"version": "1.0", "model": {"type": "BPE"}}\n',
+             "tokenizer_config.json": '{"model_max_length": 128}\n',
+             "special_tokens_map.json": '{"eos_token": "<|endoftext|>"}\n',
+             "chat_template.jinja": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"}
 VERIFY_LINE = re.compile(r"max \|logit diff\| = ([0-9.e+-]+) .*argmax agreement = ([0-9.]+) .*: (OK|FAILED)")
 
 
-def _tiny(kind: str, folder: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0 if kind == "qwen2" else 1)
-    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  rope_theta=50000.0)
-    if kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True, rms_norm_eps=1e-5))
+def _tiny(family: str, folder: Path, *, seed: int, tied: bool, **overrides) -> Path:
+    model = tiny_model(family, seed=seed, tied=tied, vocab_size=300, max_position_embeddings=128,
+                       rope_theta=50000.0, **overrides)
     with torch.no_grad():  # norms away from 1 so that a swapped or dropped norm shows in the logits
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(folder)
-    for name, text in TOKENIZER_FILES.items():
+    for name, text in AUX_FILES.items():
         (folder / name).write_text(text)
     return folder
 
 
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
-    return _tiny("qwen2", tmp_path_factory.mktemp("qwen2"))
+    return _tiny("qwen2", tmp_path_factory.mktemp("qwen2"), seed=0, tied=False)
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    return _tiny("llama", tmp_path_factory.mktemp("llama"))
+    return _tiny("llama", tmp_path_factory.mktemp("llama"), seed=1, tied=True, rms_norm_eps=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +79,13 @@ def tool(script: Path, *args, env, expect: int = 0, timeout: int = 300) -> subpr
     return r
 
 
+def error_line(r: subprocess.CompletedProcess, prog: str) -> str:
+    """The tool's one-line error (whatever third-party noise came before it)."""
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith(f"{prog}: error: ")]
+    assert len(lines) == 1 and r.stderr.rstrip().endswith(lines[0]), r.stderr[-3000:]
+    return lines[0]
+
+
 def verified(r: subprocess.CompletedProcess) -> tuple[float, float]:
     m = VERIFY_LINE.search(r.stdout)
     assert m and m.group(3) == "OK", r.stdout
@@ -87,8 +93,6 @@ def verified(r: subprocess.CompletedProcess) -> tuple[float, float]:
 
 
 def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from megatron_dapo.actor.hf_io import SafetensorsReader
-
     reader = SafetensorsReader(folder)
     return {n: reader.get(n) for n in reader.weight_map}
 
@@ -99,7 +103,7 @@ def assert_identical(src: Path, out: Path) -> None:
     for name, t in a.items():
         assert b[name].dtype == t.dtype and torch.equal(b[name], t), name
     assert (out / "config.json").read_bytes() == (src / "config.json").read_bytes()
-    for name in [*TOKENIZER_FILES, "generation_config.json"]:
+    for name in [*AUX_FILES, "generation_config.json"]:
         assert (out / name).read_bytes() == (src / name).read_bytes(), name
 
 
@@ -121,6 +125,7 @@ def converted(qwen2, llama, tmp_path_factory, env):
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
+                p.wait()
     for name, r in results.items():
         assert r.returncode == 0 and "Traceback" not in r.stderr, \
             f"{name}: exit {r.returncode}\n{r.stdout}\n{r.stderr[-5000:]}"
@@ -136,8 +141,10 @@ def test_hf_to_megatron_verifies_at_tp2_and_pp2(converted):
     for name, n_tensors in (("qwen2", 27), ("llama", 20)):
         ckpt = converted[name]
         assert (ckpt / "COMPLETE").is_file() and (ckpt / "hf" / "config.json").is_file()
+        assert (ckpt / "hf" / "chat_template.jinja").is_file()
         info = json.loads((ckpt / "conversion.json").read_text())
         assert info["hf_tensors"] == n_tensors and info["dtype"] == "float32"
+        assert "chat_template.jinja" in info["hf_files"]
         assert not ckpt.with_name(ckpt.name + ".partial").exists()
 
 
@@ -173,34 +180,42 @@ def _load_in_actor(ckpt: Path, out: Path, tp: int, pp: int, env, train_root: Pat
 
 @pytest.fixture(scope="module")
 def actor_layouts(converted, env):
-    """The actor loads llama (written at PP2) at TP2, then writes a training checkpoint of it (optimizer
-    state, no hf/ copy) as the trainer would."""
+    """The actor loads llama (written at PP2) at TP2, exports it to HF (save_hf_checkpoint), then writes a
+    training checkpoint of it (optimizer state, no hf/ copy) as the trainer would."""
     root = converted["root"]
     results = _load_in_actor(converted["llama"], root / "llama_actor", 2, 1, env, root / "llama_train")
-    return {"llama": results, "train_root": root / "llama_train"}
+    return {"llama": results, "train_root": root / "llama_train", "export": root / "llama_actor" / "hf_export"}
 
 
 def test_actor_loads_a_converted_checkpoint_at_another_layout(actor_layouts, llama):
     """Written at PP2 (vocab padded to 384), read by the actor at TP2 (512). (TP2 -> TP1 is covered by the
     qwen2 round trip: convert_megatron_to_hf --verify reads the TP2-written checkpoint at TP1.)"""
-    ref = cc.hf_logits(llama, cc.verify_tokens(_spec(llama)))
+    ref = hf_logits(llama, verify_tokens(_spec(llama)))
     got = [r["logits"] for r in actor_layouts["llama"]]
     assert len(got) == 2 and all(r["padded_vocab"] == 512 for r in actor_layouts["llama"])
     for logits in got:
-        diff, agree = cc.compare_logits(logits, ref)
+        diff, agree = compare_logits(logits, ref)
         assert diff <= 1e-4 and agree == 1.0, diff
 
 
-def test_llama_tied_round_trip_through_a_training_checkpoint(actor_layouts, converted, llama, capsys, env):
+def test_actor_export_keeps_weights_and_every_aux_file(actor_layouts, llama):
+    """save_hf_checkpoint at TP2 (gathered shards, vocab padding removed) from the converted checkpoint's hf/:
+    the source's tensors bit for bit, config.json, tokenizer files and chat_template.jinja."""
+    assert_identical(llama, actor_layouts["export"])
+
+
+def test_llama_tied_round_trip_through_a_training_checkpoint(actor_layouts, converted, llama, env):
     """The actor's step_<N>/ folders (optimizer state, TP2 vocab padding, no hf/ copy) export with --hf-dir;
     training TP/PP flags are ignored with a note; a non-empty output needs --force, then is replaced."""
     train_root, out = actor_layouts["train_root"], converted["root"] / "llama_hf"
-    code, err = run_in_process(TO_HF, "--load", train_root, "--save", out, capsys=capsys)
-    assert code == 2 and "keeps no config.json" in err and "--hf-dir" in err, err
+    r = tool(TO_HF, "--load", train_root, "--save", out, env=env, expect=2)
+    line = error_line(r, "convert_megatron_to_hf")
+    assert "keeps no config.json" in line and "--hf-dir" in line, line
     out.mkdir()
     (out / "old.txt").write_text("keep me unless --force")
-    code, err = run_in_process(TO_HF, "--load", train_root, "--save", out, "--hf-dir", llama, capsys=capsys)
-    assert code == 2 and "is not empty: pass --force" in err and (out / "old.txt").is_file(), err
+    with pytest.raises(UserError, match="is not empty: pass --force"):
+        convert.prepare_to_hf(convert.ToHF(load=train_root, save=out, hf_dir=llama), "t")
+    assert (out / "old.txt").is_file()
     r = tool(TO_HF, "--load", train_root, "--save", out, "--hf-dir", llama, "--force", "--tp", 2, "--pp", 1,
              env=env)
     assert "using the latest complete checkpoint" in r.stdout and "step_00000003" in r.stdout
@@ -220,8 +235,6 @@ def _spec(hf_dir):
 
 
 def _copy(src: Path, dst: Path) -> Path:
-    import shutil
-
     shutil.copytree(src, dst)
     return dst
 
@@ -232,75 +245,68 @@ def test_config_mismatch_is_named(qwen2, tmp_path, env):
     cfg["hidden_size"] = 128  # the tensors are 64 wide
     (bad / "config.json").write_text(json.dumps(cfg))
     r = tool(TO_MEGATRON, "--hf-dir", bad, "--save", tmp_path / "out", env=env, expect=2)
-    line = r.stderr.strip().splitlines()[-1]
+    line = error_line(r, "convert_hf_to_megatron")
     assert line.startswith("convert_hf_to_megatron: error: model.embed_tokens.weight: shape [300, 64]"), line
     assert "expected [300, 128]" in line and "hidden_size=128" in line
     assert not (tmp_path / "out").exists()
 
 
 def test_truncated_safetensors_is_named(qwen2, tmp_path, env):
+    """Checked by the one process the user started, before it spawns the --tp 2 ranks."""
     bad = _copy(qwen2, tmp_path / "bad")
     data = (bad / "model.safetensors").read_bytes()
     (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
     r = tool(TO_MEGATRON, "--hf-dir", bad, "--save", tmp_path / "out", "--tp", 2, env=env, expect=2)
     assert re.search(r"error: .*model\.safetensors: truncated: .* ends at byte \d+ .* holds only \d+",
-                     r.stderr), r.stderr
+                     error_line(r, "convert_hf_to_megatron")), r.stderr
     assert not (tmp_path / "out").exists()
 
 
-def run_in_process(script: Path, *args, capsys) -> tuple[int, str]:
-    """A tool's main() through its error handler, in this process (saves an interpreter start per check)."""
-    import importlib.util
-
-    mod = sys.modules.get(script.stem)
-    if mod is None:
-        spec = importlib.util.spec_from_file_location(script.stem, script)
-        mod = sys.modules[script.stem] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    capsys.readouterr()
-    code = cc.run_cli(mod.PROG, mod.main, [str(a) for a in args])
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return code, err
+def _fails(call, says: str) -> None:
+    with pytest.raises(USER_ERRORS) as e:
+        call()
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_layout_architecture_and_output_checks(qwen2, llama, converted, tmp_path, capsys):
-    def fails(script, *args, says):
-        code, err = run_in_process(script, *args, capsys=capsys)
-        assert code == 2 and len(err.strip().splitlines()) == 1 and says in err, err
+def test_layout_architecture_and_output_checks(qwen2, llama, converted, tmp_path):
+    def to_megatron(hf_dir, save, **kw):
+        return lambda: convert.preflight_to_megatron(convert.ToMegatron(hf_dir=hf_dir, save=save, **kw))
 
-    fails(TO_MEGATRON, "--hf-dir", qwen2, "--save", tmp_path / "o", "--tp", 3,
-          says="num_attention_heads=4 is not divisible by tensor_parallel=3")
-    fails(TO_MEGATRON, "--hf-dir", qwen2, "--save", qwen2, "--force", says="would overwrite the input")
+    def to_hf(load, save, **kw):
+        return lambda: convert.prepare_to_hf(convert.ToHF(load=load, save=save, **kw), "t")
+
+    _fails(to_megatron(qwen2, tmp_path / "o", tp=3), "num_attention_heads=4 is not divisible by tensor_parallel=3")
+    _fails(to_megatron(qwen2, qwen2, force=True), "would overwrite the input")
     other = _copy(qwen2, tmp_path / "mistral")
     cfg = json.loads((other / "config.json").read_text())
     cfg.update(architectures=["MistralForCausalLM"], model_type="mistral")
     (other / "config.json").write_text(json.dumps(cfg))
-    fails(TO_MEGATRON, "--hf-dir", other, "--save", tmp_path / "o", says="architectures='MistralForCausalLM'")
+    _fails(to_megatron(other, tmp_path / "o"), "architectures='MistralForCausalLM'")
     cut = _copy(qwen2, tmp_path / "cut")
     (cut / "model.safetensors").write_bytes((qwen2 / "model.safetensors").read_bytes()[:100])
-    fails(TO_MEGATRON, "--hf-dir", cut, "--save", tmp_path / "o", says="truncated inside its header")
-    fails(TO_HF, "--load", converted["qwen2"], "--save", tmp_path / "o", "--hf-dir", llama,
-          says="describes a different model")
-    fails(TO_HF, "--load", qwen2, "--save", tmp_path / "o",
-          says="is a Hugging Face folder, not a Megatron checkpoint")
-    fails(TO_HF, "--load", tmp_path / "nothing", "--save", tmp_path / "o", says="no such folder")
+    _fails(to_megatron(cut, tmp_path / "o"), "truncated inside its header")
+    _fails(to_hf(converted["qwen2"], tmp_path / "o", hf_dir=llama), "describes a different model")
+    _fails(to_hf(qwen2, tmp_path / "o"), "is a Hugging Face folder, not a Megatron checkpoint")
+    _fails(to_hf(tmp_path / "nothing", tmp_path / "o"), "no such folder")
+    _fails(to_hf(converted["qwen2"], tmp_path / "o", max_shard_size="lots"), "expected a size like 5GB")
     assert not (tmp_path / "o").exists()
 
 
 def test_size_parsing():
-    assert cc.parse_size("5GB") == 5 * 10**9 and cc.parse_size("2GiB") == 2 * 2**30
-    assert cc.parse_size("150KB") == 150_000 and cc.parse_size("1234") == 1234
-    with pytest.raises(cc.UserError):
-        cc.parse_size("lots")
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30
+    assert parse_size("150KB") == 150_000 and parse_size("1234") == 1234
+    with pytest.raises(UserError):
+        parse_size("lots")
+    with pytest.raises(UserError):
+        parse_size("0MB")
 
 
 def test_verify_verdict(capsys):
     """--verify exits 1 above the tolerance (and on NaN), 0 within it."""
-    assert cc.report_verify("t", 2e-4, 1.0, 64, 1e-4, "x") == cc.EXIT_VERIFY_FAILED
+    assert report_verify("t", 2e-4, 1.0, 64, 1e-4, "x") == EXIT_VERIFY_FAILED
     assert "FAILED" in capsys.readouterr().out
-    assert cc.report_verify("t", float("nan"), 1.0, 64, 1e-4, "x") == cc.EXIT_VERIFY_FAILED
-    assert cc.report_verify("t", 3e-5, 1.0, 64, 1e-4, "x") == cc.EXIT_OK
+    assert report_verify("t", float("nan"), 1.0, 64, 1e-4, "x") == EXIT_VERIFY_FAILED
+    assert report_verify("t", 3e-5, 1.0, 64, 1e-4, "x") == EXIT_OK
     a = torch.tensor([[[0.0, 1.0, 0.5], [2.0, 0.0, 0.0]]])
     b = torch.tensor([[[0.0, 1.0, 1.5], [2.0, 0.0, 0.0]]])
-    assert cc.compare_logits(a, b) == (1.0, 0.5)
+    assert compare_logits(a, b) == (1.0, 0.5)

@@ -29,15 +29,16 @@ Exit codes: 0 done (and verified), 1 verification failed, 2 invalid input or ref
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _convert_common as cc  # noqa: E402
+from megatron_dapo.actor import convert
+from megatron_dapo.actor.convert_checks import USER_ERRORS
+from megatron_dapo.cli import UserError, preflight_error, quiet_third_party, run_cli
+from megatron_dapo.parallel import free_port, launch_env
 
 PROG = "convert_hf_to_megatron"
 _PARENT_ENV = "MEGATRON_DAPO_CONVERT_PARENT_PID"
@@ -68,48 +69,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def preflight(args: argparse.Namespace):
-    """Everything that can be checked without Megatron; identical on every rank."""
-    from megatron_dapo.actor.model import UnsupportedModelError, spec_from_hf, validate_layout
-
-    try:
-        hf_config, raw_config = cc.read_hf_config(args.hf_dir)
-        spec = spec_from_hf(hf_config)
-        validate_layout(spec, args.tp, args.pp)
-        table = cc.hf_tensor_table(args.hf_dir)
-        source_dtype = cc.check_hf_tensors(table, spec, args.hf_dir)
-        out = cc.check_output(args.save, args.force, [args.hf_dir])
-        if args.dtype != "auto":
-            dtype = args.dtype
-        else:
-            dtype = source_dtype if source_dtype in ("float32", "bfloat16") else "float32"
-        cc.check_free_space(out, cc.hf_numel(table, spec) * (4 if dtype == "float32" else 2))
-    except (cc.UserError, UnsupportedModelError) as e:
-        raise cc.preflight_error(e) from e
-    return spec, raw_config, source_dtype, dtype, out
-
-
 def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     args = parse_args(argv)
-    cc.quiet_megatron()
-    from megatron_dapo.parallel import launch_env
-
+    quiet_third_party()
+    cfg = convert.ToMegatron(**vars(args))
     world, wanted = launch_env().world_size, args.tp * args.pp
     if world == 1 and wanted > 1:
-        preflight(args)  # fail fast, in this process, before starting ranks
+        convert.preflight_to_megatron(cfg)  # fail fast, in this process, before starting ranks
         return spawn_ranks(wanted, sys.argv[1:] if argv is None else argv)
     if world != wanted:
-        raise cc.preflight_error(cc.UserError(
+        raise preflight_error(UserError(
             f"started as {world} ranks but --tp {args.tp} x --pp {args.pp} = {wanted}: start exactly "
             f"{wanted} ranks, or start the tool as one process and it starts them"))
-    return convert(args)
+    return convert.hf_to_megatron(cfg, PROG)
 
 
 def spawn_ranks(n: int, argv: list[str]) -> int:
     """Start n local ranks of this script (torchrun's environment) and wait; a failed rank stops the rest."""
-    from megatron_dapo.parallel import free_port
-
     port = free_port()
     procs = []
     for rank in range(n):
@@ -137,7 +114,7 @@ def spawn_ranks(n: int, argv: list[str]) -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
         return failed[0]
-    return cc.EXIT_OK
+    return 0
 
 
 def _die_with_parent() -> None:
@@ -156,114 +133,5 @@ def _die_with_parent() -> None:
         sys.exit(1)
 
 
-def convert(args: argparse.Namespace) -> int:
-    start = time.perf_counter()
-    spec, raw_config, source_dtype, dtype, out = preflight(args)
-    import torch
-    import torch.distributed as dist
-
-    from megatron_dapo import parallel
-    from megatron_dapo.config import ParallelConfig
-
-    parallel.initialize(ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp), seed=0)
-    main_rank = parallel.is_main()
-    staging = cc.staging_dir(out)
-    if main_rank:
-        if staging.exists():
-            import shutil
-
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True)
-        if source_dtype != dtype:
-            print(f"{PROG}: HF tensors are {source_dtype}, stored as {dtype}", flush=True)
-
-    model = cc.build_stage(spec, dtype, args.tp, args.pp)
-    counts = torch.tensor(load_stage(model, spec, args.hf_dir, show=main_rank and not args.quiet),
-                          dtype=torch.float64)
-    if parallel.tp_rank() != 0:  # every TP rank reads the same HF tensors: count them once per stage
-        counts.zero_()
-    dist.all_reduce(counts)
-    dist.barrier()
-
-    from megatron.core import dist_checkpointing
-
-    dist_checkpointing.save({"model": model.sharded_state_dict()}, str(staging))
-    dist.barrier()
-    del model
-    tensors, nbytes = int(counts[0]), int(counts[1])
-    if main_rank:
-        hf_files = cc.copy_aux_files(args.hf_dir, staging / cc.HF_SUBDIR)
-        (staging / cc.HF_SUBDIR / "config.json").write_bytes(raw_config)
-        info = {"format": "megatron_dapo weights-only checkpoint", "source": str(Path(args.hf_dir).resolve()),
-                "written_with": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
-                "dtype": dtype, "source_dtype": source_dtype, "hf_tensors": tensors, "hf_bytes": nbytes,
-                "hf_files": ["config.json", *hf_files]}
-        (staging / cc.CONVERSION_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        (staging / "COMPLETE").write_text("0")
-        cc.publish(staging, out)
-        print(f"{PROG}: {tensors} tensors, {cc.human_bytes(nbytes)} read, "
-              f"{cc.human_bytes(cc.dir_bytes(out))} written, TP={args.tp} PP={args.pp} {dtype}, "
-              f"{time.perf_counter() - start:.1f} s -> {out} (loads at any TP/PP)", flush=True)
-    dist.barrier()
-    code = verify(args, spec, out) if args.verify else cc.EXIT_OK
-    parallel.destroy()
-    return code
-
-
-def load_stage(model, spec, hf_dir: Path, show: bool) -> tuple[int, int]:
-    """Copy this rank's shard of every HF tensor into `model`; returns (HF tensors read, bytes read)."""
-    from megatron_dapo import parallel
-    from megatron_dapo.actor.hf_io import SafetensorsReader, load_hf_weights
-    from megatron_dapo.actor.hf_mapping import stage_rules
-
-    rules = stage_rules(spec, parallel.pp_rank(), parallel.pp_size())
-    rules_total = sum(len(r.hf_names) for r in rules)
-    stage = f"stage {parallel.pp_rank() + 1}/{parallel.pp_size()} " if parallel.pp_size() > 1 else ""
-    with cc.progress(rules_total, f"{stage}HF -> Megatron", show) as bar:
-        counting = _CountingReader(SafetensorsReader(hf_dir), bar)
-        nbytes = load_hf_weights(model, counting, spec)
-    own = {n for r in rules if r.exported for n in r.hf_names}  # the tied lm_head copy is not an HF tensor
-    return len(counting.names & own), nbytes
-
-
-class _CountingReader:
-    """A SafetensorsReader that advances the progress bar and remembers which tensors were read."""
-
-    def __init__(self, reader, bar):
-        self.reader, self.bar, self.names = reader, bar, set()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.reader
-
-    def get(self, name: str):
-        t = self.reader.get(name)
-        self.names.add(name)
-        self.bar.update(1)
-        return t
-
-
-def verify(args: argparse.Namespace, spec, out: Path) -> int:
-    """Reload OUT into a fresh fp32 model at this layout; compare logits with transformers on one rank."""
-    import torch
-    import torch.distributed as dist
-
-    from megatron_dapo import parallel
-
-    model = cc.build_stage(spec, "float32", args.tp, args.pp)
-    cc.load_weights_only(model, out)
-    tokens = cc.verify_tokens(spec)
-    logits = cc.megatron_logits(model, tokens, spec.vocab_size)
-    del model
-    result = torch.zeros(2, dtype=torch.float64)
-    if logits is not None and parallel.tp_rank() == 0:
-        result[:] = torch.tensor(cc.compare_logits(logits, cc.hf_logits(args.hf_dir, tokens)))
-    dist.all_reduce(result)  # exactly one rank (last stage, TP rank 0) contributes
-    diff, agree = result.tolist()
-    if parallel.is_main():
-        return cc.report_verify(PROG, diff, agree, tokens.numel(), args.tol,
-                                f"(checkpoint reloaded at TP={args.tp} PP={args.pp} vs transformers)")
-    return cc.EXIT_OK if diff <= args.tol else cc.EXIT_VERIFY_FAILED
-
-
 if __name__ == "__main__":
-    sys.exit(cc.run_cli(PROG, main))
+    sys.exit(run_cli(PROG, main, user_errors=USER_ERRORS))

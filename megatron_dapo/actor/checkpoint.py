@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import parallel
+from megatron_dapo.hf_files import copy_aux_files
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Reshardable distributed-optimizer state: saved per parameter in model space, not per DP rank.
@@ -68,8 +69,8 @@ def save_checkpoint(actor: Any, root: str | Path, step: int, trainer_state: dict
                     keep_last: int = 3, hf_dir: str | Path | None = None) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint path.
 
-    With `hf_dir`, its config and tokenizer files are copied into `<ckpt>/hf/`, so the checkpoint
-    converts back to Hugging Face format without extra flags."""
+    With `hf_dir`, its config.json and auxiliary files (tokenizer, chat template, generation config) are
+    copied into `<ckpt>/hf/`, so the checkpoint converts back to Hugging Face format without extra flags."""
     from megatron.core import dist_checkpointing
 
     final = step_dir(root, step)
@@ -86,7 +87,7 @@ def save_checkpoint(actor: Any, root: str | Path, step: int, trainer_state: dict
                  "trainer": trainer_state or {}}
         torch.save(state, tmp / "trainer_state.pt")
         if hf_dir is not None:
-            _copy_hf_files(Path(hf_dir), tmp / "hf")
+            copy_aux_files(hf_dir, tmp / "hf", with_config=True)
     _barrier()
     if parallel.is_main():
         (tmp / "COMPLETE").write_text(str(step))
@@ -95,15 +96,6 @@ def save_checkpoint(actor: Any, root: str | Path, step: int, trainer_state: dict
         _prune(Path(root), keep_last)
     _barrier()
     return final
-
-
-def _copy_hf_files(src: Path, dst: Path) -> None:
-    from megatron_dapo.actor.hf_io import AUX_FILES
-
-    dst.mkdir(exist_ok=True)
-    for name in AUX_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
 
 
 def _prune(root: Path, keep_last: int) -> None:

@@ -20,51 +20,7 @@ from megatron_dapo.actor.hf_mapping import (
     unshard,
 )
 from megatron_dapo.actor.model import ModelSpec
-
-
-class HFCheckpointError(ValueError):
-    """A Hugging Face checkpoint that does not match its config or is unreadable."""
-
-
-class SafetensorsReader:
-    """Lazy name -> tensor access over a (possibly sharded) safetensors checkpoint."""
-
-    def __init__(self, hf_dir: str | Path):
-        self.dir = Path(hf_dir)
-        index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        elif (self.dir / "model.safetensors").is_file():
-            weight_map = {n: "model.safetensors" for n in self._names(self.dir / "model.safetensors")}
-        else:
-            raise HFCheckpointError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")
-        self.weight_map: dict[str, str] = weight_map
-        self._open: dict[str, object] = {}
-
-    def _names(self, file: Path) -> list[str]:
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(file), "pt") as f:
-                return list(f.keys())
-        except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
-            raise HFCheckpointError(f"{file}: unreadable safetensors file ({e})") from e
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
-
-    def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        if name not in self.weight_map:
-            raise HFCheckpointError(f"{self.dir}: tensor {name!r} is missing")
-        file = self.weight_map[name]
-        try:
-            if file not in self._open:
-                self._open[file] = safe_open(str(self.dir / file), "pt")
-            return self._open[file].get_tensor(name)
-        except Exception as e:
-            raise HFCheckpointError(f"{self.dir / file}: cannot read {name!r} ({e})") from e
+from megatron_dapo.hf_files import HFCheckpointError, SafetensorsReader, copy_aux_files
 
 
 def _tp() -> tuple[int, int]:
@@ -162,16 +118,11 @@ def hf_weight_stream(module: torch.nn.Module, spec: ModelSpec, dtype: torch.dtyp
                     yield name, t
 
 
-AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-             "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
-
-
 def save_hf_checkpoint(module: torch.nn.Module, spec: ModelSpec, out_dir: str | Path, src_hf_dir: str | Path | None,
                        *, dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Collective: write the model as HF safetensors (sharded above max_shard_bytes, with an index)
-    on global rank 0, streaming one shard at a time; config and tokenizer files come from src_hf_dir."""
-    import shutil
-
+    on global rank 0, streaming one shard at a time; config.json and every auxiliary file (tokenizer, chat
+    template, generation config) come from src_hf_dir."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -199,9 +150,8 @@ def save_hf_checkpoint(module: torch.nn.Module, spec: ModelSpec, out_dir: str | 
     flush()
     if main:
         _finalize_shards(out, files, weight_map)
-        for aux in AUX_FILES if src_hf_dir else ():
-            if (Path(src_hf_dir) / aux).is_file():
-                shutil.copy2(Path(src_hf_dir) / aux, out / aux)
+        if src_hf_dir is not None:
+            copy_aux_files(src_hf_dir, out, with_config=True)
     return out
 
 

@@ -1,6 +1,7 @@
 """Run under torchrun by tests/test_convert.py: load a converted checkpoint into the ACTOR at some TP/PP
 (the trainer's path: load_checkpoint(actor, path, load_optimizer=False)), save the logits of the fixed
-verification batch, and optionally write a training checkpoint (with optimizer state) of it.
+verification batch, export the actor in HF format (save_hf_checkpoint, config and aux files from the
+checkpoint's hf/) to OUT_DIR/hf_export, and optionally write a training checkpoint (with optimizer state).
 
     torchrun --nproc_per_node N tests/workers/convert_worker.py CKPT OUT_DIR TP PP [TRAIN_CKPT_ROOT]
 """
@@ -10,29 +11,31 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import _convert_common as cc  # noqa: E402
-
-from megatron_dapo import parallel  # noqa: E402
-from megatron_dapo.actor.actor import Actor, LossSettings  # noqa: E402
-from megatron_dapo.actor.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from megatron_dapo.actor.model import load_hf_config, spec_from_hf  # noqa: E402
-from megatron_dapo.config import Config  # noqa: E402
+from megatron_dapo import parallel
+from megatron_dapo.actor.actor import Actor, LossSettings
+from megatron_dapo.actor.checkpoint import load_checkpoint, save_checkpoint
+from megatron_dapo.actor.convert_checks import HF_SUBDIR
+from megatron_dapo.actor.convert_verify import megatron_logits, verify_tokens
+from megatron_dapo.actor.hf_io import save_hf_checkpoint
+from megatron_dapo.actor.model import load_hf_config, spec_from_hf
+from megatron_dapo.cli import quiet_third_party
+from megatron_dapo.config import Config
 
 
 def main() -> None:
     ckpt, out, tp, pp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    cc.quiet_megatron()
+    quiet_third_party()
     cfg = Config()
     cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel = tp, pp
     cfg.model.dtype = "float32"
     parallel.initialize(cfg.parallel, seed=3)
-    spec = spec_from_hf(load_hf_config(ckpt / cc.HF_SUBDIR))
+    spec = spec_from_hf(load_hf_config(ckpt / HF_SUBDIR))
     actor = Actor(spec, cfg.model, cfg.parallel, cfg.actor, LossSettings())  # random init, then overwritten
     load_checkpoint(actor, ckpt, load_optimizer=False)
-    logits = cc.megatron_logits(actor.module, cc.verify_tokens(spec), spec.vocab_size)
+    logits = megatron_logits(actor.module, verify_tokens(spec), spec.vocab_size)
     torch.save({"logits": logits, "padded_vocab": spec.padded_vocab_size(tp)},
                out / f"rank_{parallel.global_rank()}.pt")
+    save_hf_checkpoint(actor.module, spec, out / "hf_export", ckpt / HF_SUBDIR)
     if len(sys.argv) > 5:
         save_checkpoint(actor, sys.argv[5], step=3)
     parallel.destroy()

@@ -1,0 +1,72 @@
+"""What every command-line entry point shares: quiet third-party logs and one-line user errors.
+
+    sys.exit(run_cli("convert_x", main, user_errors=(UserError, HFCheckpointError)))
+
+A user error (bad input, a refused action) prints `prog: error: <one line>` on stderr and exits 2,
+without a traceback; Ctrl-C prints `prog: interrupted` and exits 130. Anything else is a bug and keeps
+its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Callable
+
+EXIT_USER_ERROR, EXIT_INTERRUPTED = 2, 130
+
+
+class UserError(Exception):
+    """Bad input or a refused action: printed as one line, exit code 2, no traceback."""
+
+
+def preflight_error(e: Exception) -> Exception:
+    """Mark an error every rank hits identically (checks of the inputs): only rank 0 prints it."""
+    e.same_on_all_ranks = True
+    return e
+
+
+def run_cli(prog: str, main: Callable[[list[str] | None], int], argv: list[str] | None = None, *,
+            user_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """Run `main(argv)`; UserError and `user_errors` become `prog: error: ...` on stderr and exit code 2.
+
+    In a multi-rank run an error that only some ranks hit is printed by each of them, prefixed with
+    its rank; one marked by `preflight_error` only by rank 0.
+    """
+    try:
+        return main(argv)
+    except (UserError, *user_errors) as e:
+        same = getattr(e, "same_on_all_ranks", False)
+        rank, world = _env_int("RANK", "SLURM_PROCID", 0), _env_int("WORLD_SIZE", "SLURM_NTASKS", 1)
+        if rank == 0 or not same:
+            prefix = f"[rank {rank}] " if world > 1 and not same else ""
+            print(f"{prog}: error: {prefix}{e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _env_int(name: str, fallback: str, default: int) -> int:
+    return int(os.environ.get(name, os.environ.get(fallback, default)))
+
+
+def quiet_third_party() -> None:
+    """Megatron logs every grad bucket at INFO and warns that apex/TE are absent (expected on CPU) and
+    about deprecations; transformers draws progress bars. Keep their errors, drop the rest."""
+    for name in ("megatron", "megatron.core"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
+    warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
