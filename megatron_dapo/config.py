@@ -134,6 +134,11 @@ class RewardConfig:
     """L_cache of eq. 13: the punishment interval before rollout.max_response_len (paper: 4096)."""
     overlong_penalty_factor: float = 1.0
     """Scale of the soft overlong penalty (eq. 13 reaches -factor at L_max)."""
+    answer_fallback: Literal["none", "boxed"] = "none"
+    """Where the answer is read: none = only the last "Answer:" line (the DAPO rule; the DAPO-Math-17K
+    prompts, the built-in arithmetic task and our GSM8K template all ask for it); boxed = when that line
+    is missing, also the last \\boxed{} and then a "####" line, for prompts that ask for those (MATH-style
+    "put your answer in \\boxed{}", raw GSM8K few-shot prompts)."""
 
 
 @dataclass(kw_only=True)
@@ -153,7 +158,11 @@ class AlgoConfig:
     overlong_filtering: bool = False
     """Mask truncated responses (finish reason "length") out of the loss."""
     dynamic_sampling: bool = True
-    """Drop groups whose rewards are all equal; generate more until the batch is full."""
+    """Drop uninformative groups (see filter_metric); generate more until the batch is full."""
+    filter_metric: Literal["acc", "score"] = "acc"
+    """What makes a group informative for dynamic sampling: acc = 0 < #correct < G (paper eq. 11);
+    score = its rewards differ, which also keeps all-wrong groups that differ only by the soft
+    overlong penalty. The kept fraction and the adaptive round size follow it."""
     max_gen_rounds: int = 10
     """Cap on generation rounds per step when dynamic sampling keeps too few groups."""
     on_rounds_exhausted: Literal["train_partial", "error"] = "train_partial"
@@ -162,6 +171,21 @@ class AlgoConfig:
     """Prompts per generation round = multiplier * train.prompt_batch_size (verl: 3.0)."""
     epochs_per_rollout: int = 1
     """Passes over each rollout batch; updates per step = epochs * batch / mini_batch."""
+    clip_ratio_c: float | None = None
+    """Dual-clip bound c > 1: for negative advantages the token loss is capped at -c * A (verl's
+    clip_ratio_c; its DAPO recipe uses 10). None = off, the paper's eq. 10."""
+    old_logprob_source: Literal["recompute", "rollout"] = "recompute"
+    """pi_old of the ratio: recompute = a forward pass of the trainer before the updates; rollout = the
+    engine's sampling logprobs (skips that pass; the train-inference mismatch then enters the ratio)."""
+    rollout_correction: Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis"] = "none"
+    """Importance weights for the train-inference mismatch, w from pi_old / pi_rollout
+    (algo/rollout_correction.py): token_tis / seq_tis truncate the token / sequence ratio at the
+    threshold; token_mis / seq_mis drop tokens / whole sequences whose ratio leaves
+    [threshold_low, threshold]. none = no weights."""
+    rollout_correction_threshold: float = 2.0
+    """C: the truncation bound (tis) or the upper end of the kept band (mis); > 0."""
+    rollout_correction_threshold_low: float | None = None
+    """Lower end of the mis band; None = 1 / rollout_correction_threshold. Ignored by tis."""
 
 
 @dataclass(kw_only=True)
@@ -415,6 +439,7 @@ def _problems(cfg: Config) -> list[str]:
         p.append(f"algo.eps_high={a.eps_high} must be >= 0")
     if a.kl_coef != 0.0:
         p.append(f"algo.kl_coef={a.kl_coef}: DAPO removes the KL term; only 0 is supported")
+    p += _correction_problems(a)
     if a.gen_batch_multiplier < 1.0:
         p.append(f"algo.gen_batch_multiplier={a.gen_batch_multiplier} must be >= 1")
     if cfg.reward.soft_overlong_punishment and not 0 < cfg.reward.overlong_cache_len < r.max_response_len:
@@ -439,6 +464,26 @@ def _problems(cfg: Config) -> list[str]:
         p.append(f"rollout.sglang.mem_fraction_static={r.sglang.mem_fraction_static} must be in (0, 1)")
     if cfg.checkpoint.keep_last < 1:
         p.append(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
+    return p
+
+
+def _correction_problems(a: AlgoConfig) -> list[str]:
+    """Dual-clip and rollout-correction ranges."""
+    p: list[str] = []
+    if a.clip_ratio_c is not None and not a.clip_ratio_c > 1.0:
+        p.append(f"algo.clip_ratio_c={a.clip_ratio_c} must be > 1 (or null for no dual-clip)")
+    high, low = a.rollout_correction_threshold, a.rollout_correction_threshold_low
+    if not high > 0:
+        p.append(f"algo.rollout_correction_threshold={high} must be > 0")
+    elif low is not None and not 0 < low < high:
+        p.append(f"algo.rollout_correction_threshold_low={low} must be in "
+                 f"(0, algo.rollout_correction_threshold={high})")
+    elif low is None and a.rollout_correction.endswith("_mis") and not high > 1:
+        p.append(f"algo.rollout_correction_threshold={high} must be > 1 for {a.rollout_correction} "
+                 "(the default band's lower end is 1 / threshold)")
+    if a.rollout_correction != "none" and a.old_logprob_source == "rollout":
+        p.append(f"algo.rollout_correction={a.rollout_correction} with algo.old_logprob_source=rollout: "
+                 "pi_old is the rollout policy then, so every correction weight would be 1")
     return p
 
 

@@ -1,4 +1,5 @@
-"""Dynamic sampling: informative-group filter, multi-round accumulation, exhaustion policies, eff(p)."""
+"""Dynamic sampling: informative-group filter (by accuracy, paper eq. 11, or by score), multi-round
+accumulation, exhaustion policies, eff(p)."""
 
 import logging
 import random
@@ -13,12 +14,20 @@ from megatron_dapo.algo.dynamic_sampling import (
 from megatron_dapo.types import Group, Prompt, Sample
 
 
-def make_group(uid: str, rewards: list[float]) -> Group:
+def make_group(uid: str, rewards: list[float], acc: list[bool] | None = None) -> Group:
+    """A group with these rewards; a sample is correct when its reward is > 0 unless `acc` says."""
+    acc = [r > 0 for r in rewards] if acc is None else acc
     samples = [
-        Sample(prompt_ids=[1], response_ids=[2], rollout_logprobs=[-0.1], finish_reason="stop", reward=r, acc=r > 0)
-        for r in rewards
+        Sample(prompt_ids=[1], response_ids=[2], rollout_logprobs=[-0.1], finish_reason="stop", reward=r,
+               acc=a)
+        for r, a in zip(rewards, acc, strict=True)
     ]
     return Group(prompt=Prompt(uid=uid, messages=(), ground_truth="0"), samples=samples)
+
+
+def shaped(uid: str, answers: list[tuple[bool, float]]) -> Group:
+    """Eq. 7 reward (+1 right, -1 wrong) plus a soft overlong penalty (<= 0) per (correct, penalty)."""
+    return make_group(uid, [(1.0 if ok else -1.0) + pen for ok, pen in answers], [ok for ok, _ in answers])
 
 
 def good(uid: str) -> Group:
@@ -29,12 +38,76 @@ def bad(uid: str) -> Group:
     return make_group(uid, [1.0, 1.0, 1.0, 1.0])
 
 
-def test_is_informative():
-    assert is_informative(good("a"))
-    assert not is_informative(bad("a"))
-    assert not is_informative(make_group("a", [-1.0] * 4))
-    # all wrong, but soft overlong shaping makes the rewards differ
-    assert is_informative(make_group("a", [-1.0, -1.0, -1.25, -2.0]))
+@pytest.mark.parametrize("metric", ["acc", "score"])
+def test_is_informative_plain_rewards(metric):
+    assert is_informative(good("a"), metric)
+    assert not is_informative(bad("a"), metric)
+    assert not is_informative(make_group("a", [-1.0] * 4), metric)
+
+
+def test_all_wrong_group_differing_only_by_overlong_penalty():
+    # all wrong; soft overlong shaping (eq. 13) makes the rewards differ: -1, -1, -1.25, -2
+    group = shaped("a", [(False, 0.0), (False, 0.0), (False, -0.25), (False, -1.0)])
+    assert group.rewards == [-1.0, -1.0, -1.25, -2.0]
+    assert not is_informative(group)  # acc is the default: the paper's 0 < #correct < G
+    assert not is_informative(group, "acc")
+    assert is_informative(group, "score")
+    # all right, one penalised: the same split
+    group = shaped("b", [(True, 0.0), (True, -0.5)])
+    assert not is_informative(group, "acc") and is_informative(group, "score")
+
+
+def test_acc_reads_correctness_not_rewards():
+    # factor-2 penalty: a correct answer scores 1 - 2 = -1, the same as a wrong one
+    group = shaped("a", [(True, -2.0), (False, 0.0)])
+    assert group.rewards == [-1.0, -1.0]
+    assert is_informative(group, "acc") and not is_informative(group, "score")
+
+
+def test_unknown_metric():
+    with pytest.raises(ValueError, match="acc, score"):
+        is_informative(good("a"), "reward")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="metric"):
+        DynamicSampler(target_groups=1, max_rounds=1, metric="reward")  # type: ignore[arg-type]
+
+
+def mixed_round() -> list[Group]:
+    """10 groups: 3 with right and wrong answers, 4 all wrong with different penalties, 2 all wrong
+    without penalty, 1 all right."""
+    mixed = [shaped(f"m{i}", [(True, 0.0), (False, -0.1 * i)]) for i in range(3)]
+    penalised = [shaped(f"p{i}", [(False, 0.0), (False, -0.5)]) for i in range(4)]
+    flat = [shaped(f"w{i}", [(False, 0.0), (False, 0.0)]) for i in range(2)]
+    return mixed + penalised + flat + [shaped("r", [(True, 0.0), (True, 0.0)])]
+
+
+@pytest.mark.parametrize(
+    "metric, kept, frac, next_size",
+    [
+        # acc: 3/10 kept; 7 missing / 0.3 = 23.3 -> 24 groups next (cap 4 * 10)
+        ("acc", ["m0", "m1", "m2"], 0.3, 24),
+        # score: 7/10 kept; 3 missing / 0.7 = 4.29 -> 5
+        ("score", ["m0", "m1", "m2", "p0", "p1", "p2", "p3"], 0.7, 5),
+    ],
+)
+def test_kept_fraction_and_next_round_follow_the_metric(metric, kept, frac, next_size):
+    sampler = DynamicSampler(target_groups=10, max_rounds=2, metric=metric)
+    sampler.add_round(mixed_round())
+    assert sampler.kept_frac == pytest.approx(frac)
+    assert sampler.next_round_size(default=10) == next_size
+    sampler.add_round([])
+    groups, stats = sampler.finish()
+    assert [g.prompt.uid for g in groups] == kept
+    assert (stats.groups_seen, stats.groups_kept, stats.exhausted) == (10, len(kept), True)
+    assert stats.kept_frac == frac
+
+
+@pytest.mark.parametrize("metric, frac", [("acc", 0.3), ("score", 0.7)])
+def test_disabled_sampler_reports_the_metrics_kept_fraction(metric, frac):
+    sampler = DynamicSampler(target_groups=4, max_rounds=3, enabled=False, metric=metric)
+    sampler.add_round(mixed_round())
+    groups, stats = sampler.finish()
+    assert [g.prompt.uid for g in groups] == ["m0", "m1", "m2", "p0"]
+    assert stats.kept_frac == pytest.approx(frac) and not stats.exhausted
 
 
 def test_expected_informative_fraction_paper_values():

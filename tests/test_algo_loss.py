@@ -1,5 +1,7 @@
-"""The DAPO policy loss against hand arithmetic from the paper, and its split invariance."""
+"""The DAPO policy loss against hand arithmetic from the paper (and verl's dual-clip), and its split
+invariance with and without importance weights."""
 
+import math
 from datetime import timedelta
 
 import pytest
@@ -7,7 +9,7 @@ import torch
 import torch.distributed as dist
 from spawn import run_ranks
 
-from megatron_dapo.algo.loss import policy_loss
+from megatron_dapo.algo.loss import LOG_RATIO_LIMIT, policy_loss
 
 F64 = torch.float64
 
@@ -152,20 +154,24 @@ def _dp_worker(rank: int, world_size: int, port: int) -> None:
     try:
         # A shared "model" theta makes logprobs depend on parameters every rank holds, as in DP.
         base, old, adv, mask = random_batch(3, B=10)
-        theta = torch.zeros(base.shape[1], dtype=F64, requires_grad=True)
-        ref_loss, _ = policy_loss(base + theta, old, adv, mask)
-        (ref_grad,) = torch.autograd.grad(ref_loss, theta)
+        is_w = torch.rand(base.shape, generator=torch.Generator().manual_seed(8), dtype=F64) * 2
+        for kw in ({}, {"clip_ratio_c": 1.2, "is_weights": is_w}):
+            theta = torch.zeros(base.shape[1], dtype=F64, requires_grad=True)
+            ref_loss, _ = policy_loss(base + theta, old, adv, mask, **kw)
+            (ref_grad,) = torch.autograd.grad(ref_loss, theta)
 
-        rows = slice(rank * 5, (rank + 1) * 5)
-        num_tokens = mask[rows].sum().to(F64)
-        dist.all_reduce(num_tokens)
-        loss, _ = policy_loss(base[rows] + theta, old[rows], adv[rows], mask[rows], global_num_tokens=num_tokens)
-        loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        dist.all_reduce(theta.grad)
-        torch.testing.assert_close(total, ref_loss.detach(), atol=1e-6, rtol=0)
-        torch.testing.assert_close(theta.grad, ref_grad, atol=1e-6, rtol=0)
+            rows = slice(rank * 5, (rank + 1) * 5)
+            kw = {k: v[rows] if torch.is_tensor(v) else v for k, v in kw.items()}
+            num_tokens = mask[rows].sum().to(F64)
+            dist.all_reduce(num_tokens)
+            loss, _ = policy_loss(base[rows] + theta, old[rows], adv[rows], mask[rows],
+                                  global_num_tokens=num_tokens, **kw)
+            loss.backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            dist.all_reduce(theta.grad)
+            torch.testing.assert_close(total, ref_loss.detach(), atol=1e-6, rtol=0)
+            torch.testing.assert_close(theta.grad, ref_grad, atol=1e-6, rtol=0)
     finally:
         dist.destroy_process_group()
 
@@ -178,3 +184,123 @@ def test_empty_batch_gives_zero_loss_and_metrics():
     empty = torch.zeros(0, 3)
     loss, m = policy_loss(empty, empty, torch.zeros(0), empty)
     assert loss.item() == 0.0 and m.num_tokens.item() == 0 and m.ratio_max.item() == 0
+
+
+# ---------------------------------------------------------------- dual-clip, log-ratio clamp, IS weights
+def four_tokens(clip_ratio_c=None, is_weights=None, dtype=F64):
+    """Ratios 5, 2, 5, 0.5 with advantages -1, -1, +1, -2 (eps 0.2 / 0.28), one row."""
+    logprobs = torch.tensor([[5.0, 2.0, 5.0, 0.5]], dtype=dtype).log().requires_grad_()
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -2.0]], dtype=dtype)
+    loss, m = policy_loss(logprobs, torch.zeros_like(logprobs), adv, torch.ones(1, 4),
+                          clip_ratio_c=clip_ratio_c, is_weights=is_weights)
+    loss.backward()
+    return loss, logprobs.grad, m
+
+
+def test_dual_clip_hand_arithmetic():
+    # token losses -min(rA, clip(r)A), then capped at -cA = c|A| for A < 0 (c = 3):
+    #   A=-1, r=5:   min(-5, -1.28) = -5 -> loss 5, capped at 3, zero gradient (dual clip)
+    #   A=-1, r=2:   loss 2 < 3, unclipped branch: d(-rA)/dlogp = -rA = 2
+    #   A=+1, r=5:   upper clip 1.28 -> loss -1.28, zero gradient (dual clip never touches A > 0)
+    #   A=-2, r=0.5: min(-1, -1.6) = -1.6 -> loss 1.6, lower clip, zero gradient
+    loss, grad, m = four_tokens(clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx((3 + 2 - 1.28 + 1.6) / 4)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 2 / 4, 0.0, 0.0]], dtype=F64))
+    assert (m.clipfrac_dual.item(), m.clipfrac_high.item(), m.clipfrac_low.item()) == (0.25, 0.25, 0.25)
+
+    loss, grad, m = four_tokens()  # off: the paper's eq. 10, the A<0, r=5 token keeps its gradient
+    assert loss.item() == pytest.approx((5 + 2 - 1.28 + 1.6) / 4)
+    torch.testing.assert_close(grad, torch.tensor([[5 / 4, 2 / 4, 0.0, 0.0]], dtype=F64))
+    assert m.clipfrac_dual.item() == 0.0
+
+
+def test_single_token_dual_clip_from_the_brief():
+    logprobs = torch.tensor([[5.0]], dtype=F64).log().requires_grad_()
+    loss, m = policy_loss(logprobs, torch.zeros(1, 1, dtype=F64), torch.tensor([-1.0], dtype=F64),
+                          torch.ones(1, 1), clip_ratio_c=3.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(3.0) and logprobs.grad.item() == 0.0 and m.clipfrac_dual == 1.0
+
+
+@pytest.mark.parametrize("c", [1.0, 0.5, -3.0])
+def test_dual_clip_bound_must_exceed_one(c):
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        policy_loss(x, x, torch.zeros(1), torch.ones(1, 2), clip_ratio_c=c)
+
+
+def test_log_ratio_clamp():
+    """|log r| <= LOG_RATIO_LIMIT = 20: beyond it r is held at e^+-20 and the gradient is zero."""
+    assert LOG_RATIO_LIMIT == 20.0
+    # fp32: exp(100) overflows to inf, so without the clamp the loss of the first token is inf.
+    old = torch.zeros(1, 4)
+    logprobs = torch.tensor([[100.0, 19.5, -100.0, -19.5]], requires_grad=True)
+    adv = torch.tensor([[-1.0, -1.0, 1.0, 1.0]])
+    loss, m = policy_loss(logprobs, old, adv, torch.ones(1, 4))
+    loss.backward()
+    # losses: |A| e^20 (held), e^19.5 (unclipped, A < 0), -e^-20 (held), -e^-19.5 (unclipped, A > 0)
+    want = (math.exp(20) + math.exp(19.5) - math.exp(-20) - math.exp(-19.5)) / 4
+    assert torch.isfinite(loss) and loss.item() == pytest.approx(want, rel=1e-6)
+    # d loss / d logp = -A r / 4 inside the range, 0 outside
+    torch.testing.assert_close(
+        logprobs.grad, torch.tensor([[0.0, math.exp(19.5) / 4, 0.0, -math.exp(-19.5) / 4]]), rtol=1e-6, atol=0
+    )
+    assert m.ratio_max.item() == pytest.approx(math.exp(20), rel=1e-6) and torch.isfinite(m.approx_kl)
+    assert torch.exp(logprobs.detach()[0, 0] - old[0, 0]).isinf()  # what the clamp prevents
+
+
+def test_is_weights_scale_token_terms_not_the_normaliser():
+    w = torch.tensor([[0.5, 2.0, 3.0, 0.25]], dtype=F64, requires_grad=True)
+    loss, grad, m = four_tokens(clip_ratio_c=3.0, is_weights=w)
+    assert loss.item() == pytest.approx((0.5 * 3 + 2.0 * 2 - 3.0 * 1.28 + 0.25 * 1.6) / 4)  # still / 4 tokens
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 2.0 * 2 / 4, 0.0, 0.0]], dtype=F64))
+    assert w.grad is None  # constants: no gradient reaches the weights
+    assert m.num_tokens.item() == 4 and m.clipfrac_dual.item() == 0.25  # metrics ignore the weights
+
+
+def test_is_weights_ignored_where_masked_and_shape_checked():
+    logprobs = torch.tensor([[-1.0, -2.0]], dtype=F64, requires_grad=True)
+    old = torch.tensor([[-1.5, -2.0]], dtype=F64)
+    mask = torch.tensor([[1.0, 0.0]])
+    is_w = torch.tensor([[2.0, float("nan")]])
+    weighted, _ = policy_loss(logprobs, old, torch.ones(1), mask, is_weights=is_w)
+    plain, _ = policy_loss(logprobs, old, torch.ones(1), mask)
+    torch.testing.assert_close(weighted, 2 * plain)
+    with pytest.raises(ValueError, match="is_weights"):
+        policy_loss(logprobs, old, torch.ones(1), mask, is_weights=torch.ones(2))
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("pieces", [2, 3])
+def test_split_invariance_with_dual_clip_and_is_weights(mode, pieces):
+    base, old, adv, mask = random_batch(4)
+    is_w = torch.rand(base.shape, generator=torch.Generator().manual_seed(5), dtype=F64) * 2
+    kw = {"agg_mode": mode, "clip_ratio_c": 1.2}
+    full_lp = base.clone().requires_grad_()
+    full_loss, m = policy_loss(full_lp, old, adv, mask, is_weights=is_w, **kw)
+    full_loss.backward()
+    assert m.clipfrac_dual > 0 and m.clipfrac_high > 0 and m.clipfrac_low > 0
+
+    split_lp = base.clone().requires_grad_()
+    total = torch.zeros((), dtype=F64)
+    for rows in torch.tensor_split(torch.arange(len(base)), pieces):
+        loss, _ = policy_loss(split_lp[rows], old[rows], adv[rows], mask[rows], is_weights=is_w[rows],
+                              **kw, **global_kwargs(mode, mask))
+        loss.backward()
+        total += loss.detach()
+    torch.testing.assert_close(total, full_loss.detach(), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(split_lp.grad, full_lp.grad, atol=1e-12, rtol=1e-12)
+
+
+def test_is_weights_equal_an_explicitly_weighted_sum():
+    """Independent reference: token-mean with weights = sum_t w_t * l_t / N, l_t the unweighted token loss."""
+    base, old, adv, mask = random_batch(6)
+    is_w = torch.rand(base.shape, generator=torch.Generator().manual_seed(7), dtype=F64)
+    n = int(mask.sum())
+    token_losses = torch.stack([
+        policy_loss(base[i:i + 1, t:t + 1], old[i:i + 1, t:t + 1], adv[i:i + 1], mask[i:i + 1, t:t + 1],
+                    global_num_tokens=1)[0]
+        for i in range(base.shape[0]) for t in range(base.shape[1])
+    ]).view_as(base)
+    loss, _ = policy_loss(base, old, adv, mask, is_weights=is_w)
+    torch.testing.assert_close(loss, (token_losses * is_w * mask).sum() / n)

@@ -27,6 +27,28 @@ def test_defaults_are_valid_and_dapo():
     assert cfg.algo.dynamic_sampling
 
 
+def test_defaults_follow_the_paper_to_the_letter():
+    a, r = Config().algo, Config().reward
+    assert a.filter_metric == "acc"  # eq. 11: 0 < #correct < G
+    assert a.clip_ratio_c is None  # eq. 10, no dual-clip
+    assert r.answer_fallback == "none"  # only the Answer: line counts
+    assert (a.rollout_correction, a.old_logprob_source) == ("none", "recompute")
+    assert (a.rollout_correction_threshold, a.rollout_correction_threshold_low) == (2.0, None)
+
+
+def test_dapo14_options_parse():
+    cfg = load_config(None, ["algo.clip_ratio_c=10", "algo.filter_metric=score",
+                             "reward.answer_fallback=boxed", "algo.rollout_correction=seq_mis",
+                             "algo.rollout_correction_threshold=3",
+                             "algo.rollout_correction_threshold_low=0.5"])
+    assert cfg.algo.clip_ratio_c == 10.0 and isinstance(cfg.algo.clip_ratio_c, float)
+    assert (cfg.algo.filter_metric, cfg.reward.answer_fallback) == ("score", "boxed")
+    assert (cfg.algo.rollout_correction_threshold, cfg.algo.rollout_correction_threshold_low) == (3.0, 0.5)
+    assert load_config(None, ["algo.clip_ratio_c=null"]).algo.clip_ratio_c is None
+    cfg = load_config(None, ["algo.old_logprob_source=rollout", "algo.rollout_correction_threshold=0.5"])
+    assert cfg.algo.old_logprob_source == "rollout"  # a tis bound below 1 is odd but well defined
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_example_config_loads(path):
     cfg = load_config(path)
@@ -92,6 +114,11 @@ def test_unknown_key_suggests_the_near_one():
     ("train.steps=abc", "train.steps"),
     ("algo.loss_agg_mode=token-sum", "algo.loss_agg_mode"),
     ("algo.dynamic_sampling=maybe", "algo.dynamic_sampling"),
+    ("algo.filter_metric=reward", "algo.filter_metric"),
+    ("reward.answer_fallback=hashes", "reward.answer_fallback"),
+    ("algo.rollout_correction=tis", "algo.rollout_correction"),
+    ("algo.old_logprob_source=engine", "algo.old_logprob_source"),
+    ("algo.clip_ratio_c=off", "algo.clip_ratio_c"),
     ("algo=3", "algo"),
 ])
 def test_wrong_type_is_named(override, key):
@@ -130,6 +157,15 @@ def test_yaml_scientific_notation_is_a_float(tmp_path):
     (["parallel.sequence_parallel=true"], "sequence_parallel"),
     (["actor.optimizer.lr=0"], "optimizer.lr"),
     (["checkpoint.resume=never"], "must be auto, none or an existing checkpoint folder"),
+    (["algo.clip_ratio_c=1.0"], r"algo.clip_ratio_c=1.0 must be > 1"),
+    (["algo.clip_ratio_c=0.5"], r"algo.clip_ratio_c=0.5 must be > 1"),
+    (["algo.rollout_correction_threshold=0"], r"rollout_correction_threshold=0.0 must be > 0"),
+    (["algo.rollout_correction_threshold_low=2.0"], r"threshold_low=2.0 must be in \(0, "),
+    (["algo.rollout_correction_threshold_low=0"], r"threshold_low=0.0 must be in \(0, "),
+    (["algo.rollout_correction=token_mis", "algo.rollout_correction_threshold=1"],
+     "must be > 1 for token_mis"),
+    (["algo.rollout_correction=token_tis", "algo.old_logprob_source=rollout"],
+     "every correction weight would be 1"),
 ])
 def test_cross_field_validation(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):

@@ -42,10 +42,6 @@ POSITIVE = [
     ("Answer:\n\n42", "42"),
     ("Answer: 42\n\nThat is all.", "42"),
     ("Answer: 5\nWait, let me recheck.\nAnswer: 6", "6"),  # last Answer wins
-    ("The final answer is \\boxed{17}.", "17"),  # \boxed fallback, no Answer: line
-    ("\\boxed{3} then \\boxed{\\frac{2}{3}}", "\\frac{2}{3}"),  # last \boxed wins
-    ("\\boxed{\\boxed{8}}", "8"),
-    ("so the total is\n#### 42", "42"),  # GSM8K-style fallback
     ("Answer: 1234", "Natalia sold 48 clips ... #### 1,234"),  # GSM8K ground truth
     ("Answer: 72", "#### 72"),
     ("Answer: 13", "$13$"),
@@ -53,14 +49,87 @@ POSITIVE = [
     ("Answer: 13", 13),  # integer ground truth from a parquet column
     ("Answer: \\$5", "5"),
     ("Answer: 3 hours", "3"),
+    ("Answer: \\boxed{17}", "17"),  # a box on the Answer: line is the Answer: line's
+]
+
+# Wrappers real completions put around the answer, alone and nested; all mean 42.
+WRAPPED_42 = [
+    "\\( 42 \\)", "\\(42\\)", "\\[42\\]", "\\[ 42 \\]", "$42$", "$ 42 $", "$$42$$", "$$ 42 $$",
+    "\\mathbf{42}", "\\textbf{42}", "\\text{42}", "\\mathrm{42}", "42\\%", "42%", "\\boxed{42}",
+    "\\fbox{42}", "**42**", "**42**.", "$\\boxed{42}$", "\\(\\boxed{42}\\)", "\\[\\boxed{42}\\]",
+    "\\boxed{\\textbf{42}}", "\\text{\\mathbf{42}}", "\\textbf{\\boxed{42}}", "$\\mathbf{42}$", "**$42$**",
+    "$42\\%$", "\\(42\\%\\)", "\\boxed{42\\%}", "\\text{\\textbf{\\mathbf{42}}}\\%", "**\\boxed{42}**",
+    "\\(\\text{42}\\)", "\\fbox{$42$}",
 ]
 
 
 @pytest.mark.parametrize(("response", "truth"), POSITIVE)
-def test_correct_answers_score_plus_one(response: str, truth: str) -> None:
-    result = compute_score(response, truth)
+@pytest.mark.parametrize("fallback", ["none", "boxed"])
+def test_correct_answers_score_plus_one(response: str, truth: str, fallback: str) -> None:
+    result = compute_score(response, truth, answer_fallback=fallback)
     assert result == RewardResult(score=1.0, acc=True, pred=result.pred)
     assert result.pred
+
+
+@pytest.mark.parametrize("wrapped", WRAPPED_42)
+def test_wrappers_inside_the_answer_are_normalised(wrapped: str) -> None:
+    for response in (f"Answer: {wrapped}", f"**Answer:** {wrapped}", f"Answer:\n{wrapped}"):
+        assert compute_score(response, "42") == RewardResult(score=1.0, acc=True, pred="42"), response
+        assert not compute_score(response, "43").acc
+    assert math_dapo.normalize_answer(wrapped) == "42"  # a wrapped ground truth too
+    assert compute_score("Answer: 42", wrapped).acc
+
+
+@pytest.mark.parametrize(
+    ("answer", "pred"),
+    [
+        ("\\text{\\frac{1}{2}}", "\\frac{1}{2}"),  # a wrapper around braces
+        ("\\mathbf{x}^{2}", "x^{2}"),
+        ("\\text{42", "\\text{42"),  # unclosed: left alone
+        ("\\{1,2\\}", "\\{1,2\\}"),  # not a wrapper
+        ("4.2\\%", "4.2"),
+        ("\\(x = 5\\)", "5"),
+    ],
+)
+def test_wrapper_normalisation_details(answer: str, pred: str) -> None:
+    assert math_dapo.normalize_answer(answer) == pred
+
+
+# Only with answer_fallback="boxed": responses without an Answer: line.
+BOXED_FALLBACK = [
+    ("The final answer is \\boxed{17}.", "17", "17"),  # \boxed, no Answer: line
+    ("\\boxed{3} then \\boxed{\\frac{2}{3}}", "\\frac{2}{3}", "\\frac{2}{3}"),  # last \boxed wins
+    ("\\boxed{\\boxed{8}}", "8", "8"),
+    ("so it is \\fbox{$\\mathbf{9}$}", "9", "9"),
+    ("so the total is\n#### 42", "42", "42"),  # GSM8K-style
+    ("so the total is\n#### **1,234**", "1234", "1234"),
+    ("Answer:\n\\boxed{5}", "5", "5"),  # the Answer: line's next line is a box: both modes agree
+]
+
+
+@pytest.mark.parametrize(("response", "truth", "pred"), BOXED_FALLBACK)
+def test_boxed_fallback_only_when_asked(response: str, truth: str, pred: str) -> None:
+    assert compute_score(response, truth, answer_fallback="boxed") == RewardResult(1.0, True, pred)
+    default = compute_score(response, truth)
+    assert default == compute_score(response, truth, answer_fallback="none")
+    if "Answer:" not in response:
+        assert default == RewardResult(score=-1.0, acc=False, pred=None)  # DAPO: no marker, no answer
+
+
+def test_shipped_prompts_ask_for_the_line_the_default_reads() -> None:
+    """answer_fallback="none" suits our data: the GSM8K template and the arithmetic task ask for Answer:."""
+    from megatron_dapo.data.arithmetic import format_answer
+    from megatron_dapo.data.datasets import GSM8K_PROMPT_TEMPLATE
+
+    assert "Answer:" in GSM8K_PROMPT_TEMPLATE
+    assert "\\boxed" not in GSM8K_PROMPT_TEMPLATE and "####" not in GSM8K_PROMPT_TEMPLATE
+    assert compute_score(f"Let me think.\n{format_answer(1234)}", "#### 1,234").acc
+
+
+def test_unknown_fallback_is_an_error() -> None:
+    with pytest.raises(ValueError, match="answer_fallback"):
+        compute_score("Answer: 1", "1", answer_fallback="hashes")  # type: ignore[arg-type]
+    assert compute_score("Answer: 1", "1", answer_fallback="none").acc  # keyword-only, positional pair kept
 
 
 # ---------------------------------------------------------------- compute_score: negative cases
@@ -83,8 +152,11 @@ NEGATIVE = [
 
 
 @pytest.mark.parametrize(("response", "truth", "pred"), NEGATIVE)
-def test_wrong_or_missing_answers_score_minus_one(response: str, truth: str, pred: str | None) -> None:
-    assert compute_score(response, truth) == RewardResult(score=-1.0, acc=False, pred=pred)
+@pytest.mark.parametrize("fallback", ["none", "boxed"])
+def test_wrong_or_missing_answers_score_minus_one(response: str, truth: str, pred: str | None,
+                                                  fallback: str) -> None:
+    result = compute_score(response, truth, answer_fallback=fallback)
+    assert result == RewardResult(score=-1.0, acc=False, pred=pred)
 
 
 @pytest.mark.parametrize(
@@ -96,8 +168,10 @@ def test_wrong_or_missing_answers_score_minus_one(response: str, truth: str, pre
         ("Answer: $$\n\\boxed{2}", "2"),  # empty Answer: line falls through
     ],
 )
-def test_extraction_precedence(response: str, pred: str) -> None:
-    assert math_dapo.extract_answer(response) == pred
+def test_extraction_precedence_with_boxed_fallback(response: str, pred: str) -> None:
+    assert math_dapo.extract_answer(response, "boxed") == pred
+    expected = "1" if response.startswith("Answer: 1") else None  # "none": the Answer: line or nothing
+    assert math_dapo.extract_answer(response) == expected
 
 
 def test_result_is_frozen() -> None:
@@ -106,9 +180,10 @@ def test_result_is_frozen() -> None:
         result.score = 0.0  # type: ignore[misc]
 
 
-def test_marker_must_be_in_tail() -> None:
-    far = "Answer: 13\n" + "x" * (math_dapo.SEARCH_TAIL_CHARS + 10)
-    assert compute_score(far, "13").pred is None
+@pytest.mark.parametrize("marker", ["Answer: 13", "\\boxed{13}", "#### 13"])
+def test_marker_must_be_in_tail(marker: str) -> None:
+    far = marker + "\n" + "x" * (math_dapo.SEARCH_TAIL_CHARS + 10)
+    assert compute_score(far, "13", answer_fallback="boxed").pred is None
 
 
 def test_huge_ground_truth_never_matches() -> None:
@@ -129,16 +204,31 @@ ADVERSARIAL = [
     "\ud800" * 5_000_000,
     "=" * 5_000_000,
     "Answer: " + "\\text{" * 40 + "9" * 5_000_000,
+    "\\mathbf{" * 1_000_000,
+    "Answer: " + "\\text{\\mathbf{" * 20 + "}" * 40,
+    ("\\(" + "%" * 10 + "\\)") * 300_000,
+    "*" * 5_000_000,
 ]
 
 
 @pytest.mark.parametrize("response", ADVERSARIAL, ids=range(len(ADVERSARIAL)))
-def test_adversarial_inputs_finish_quickly(response: str) -> None:
+@pytest.mark.parametrize("fallback", ["none", "boxed"])
+def test_adversarial_inputs_finish_quickly(response: str, fallback: str) -> None:
     start = time.perf_counter()
-    result = compute_score(response, response)
+    result = compute_score(response, response, answer_fallback=fallback)
     elapsed = time.perf_counter() - start
     assert result.score in (1.0, -1.0)
     assert elapsed < 2.0, f"took {elapsed:.2f}s"  # hang guard, not a benchmark
+
+
+def test_truth_of_maximal_length_with_nested_wrappers_is_quick() -> None:
+    depth = (math_dapo.MAX_TRUTH_CHARS - 2) // 10
+    truth = "\\mathbf{" * depth + "7" + "}" * depth  # 10k chars, 1000 nested wrappers
+    assert len(truth) <= math_dapo.MAX_TRUTH_CHARS
+    start = time.perf_counter()
+    assert math_dapo.normalize_answer(truth) == "7"
+    assert compute_score("Answer: 7", truth).acc
+    assert time.perf_counter() - start < 2.0
 
 
 def test_trailing_answer_after_junk_is_found() -> None:
@@ -147,8 +237,10 @@ def test_trailing_answer_after_junk_is_found() -> None:
 
 FRAGMENTS = st.sampled_from(
     ["Answer:", "answer :", "\\boxed{", "\\fbox{", "{", "}", "$", "####", "\n", " ", "=", ",",
-     "\\text{", "\\frac", "sqrt", "-", "+", ".", "0", "7", "13", "1,000", "dollars", "\ud800", "*"]
+     "\\text{", "\\frac", "sqrt", "-", "+", ".", "0", "7", "13", "1,000", "dollars", "\ud800", "*",
+     "\\(", "\\)", "\\[", "\\]", "\\mathbf{", "\\textbf{", "\\mathrm{", "%", "\\%", "**"]
 )
+FALLBACKS = st.sampled_from(["none", "boxed"])
 JUNK = st.one_of(
     st.text(),
     st.text(alphabet=st.characters(exclude_categories=())),  # includes lone surrogates
@@ -166,17 +258,42 @@ def _check(result: RewardResult) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(response=JUNK, truth=JUNK)
-def test_fuzz_never_raises(response: str, truth: str) -> None:
-    _check(compute_score(response, truth))
+@given(response=JUNK, truth=JUNK, fallback=FALLBACKS)
+def test_fuzz_never_raises(response: str, truth: str, fallback: str) -> None:
+    _check(compute_score(response, truth, answer_fallback=fallback))
 
 
 @settings(max_examples=100, deadline=None)
-@given(junk=JUNK, n=st.integers(min_value=-(10**60), max_value=10**60))
-def test_fuzz_integer_answer_is_recognised(junk: str, n: int) -> None:
-    result = compute_score(f"{junk}\nAnswer: {n}", str(n))
+@given(junk=JUNK, n=st.integers(min_value=-(10**60), max_value=10**60), fallback=FALLBACKS)
+def test_fuzz_integer_answer_is_recognised(junk: str, n: int, fallback: str) -> None:
+    result = compute_score(f"{junk}\nAnswer: {n}", str(n), answer_fallback=fallback)
     assert result.acc and result.score == 1.0
-    assert compute_score(f"Answer: {n}", str(n + 1)).score == -1.0
+    assert compute_score(f"Answer: {n}", str(n + 1), answer_fallback=fallback).score == -1.0
+
+
+# (opening, closing) pairs that wrap an answer, composed at random below; math mode is entered once.
+WRAPS = [("\\mathbf{", "}"), ("\\textbf{", "}"), ("\\text{", "}"), ("\\mathrm{", "}"), ("\\boxed{", "}"),
+         ("\\fbox{", "}"), ("**", "**"), ("", "\\%"), ("", "%")]
+MATH = [("\\(", "\\)"), ("\\[", "\\]"), ("$", "$"), ("$$", "$$")]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    junk=JUNK,
+    n=st.integers(min_value=-(10**12), max_value=10**12),
+    wraps=st.lists(st.sampled_from(WRAPS), max_size=4),
+    math=st.tuples(st.sampled_from(MATH), st.integers(0, 4)) | st.none(),
+    fallback=FALLBACKS,
+)
+def test_fuzz_wrapped_integer_answer_is_recognised(junk: str, n: int, wraps: list, math, fallback) -> None:
+    if math is not None:
+        wraps.insert(min(math[1], len(wraps)), math[0])
+    answer = str(n)
+    for opening, closing in wraps:
+        answer = opening + answer + closing
+    result = compute_score(f"{junk}\nAnswer: {answer}", str(n), answer_fallback=fallback)
+    assert result.acc, answer
+    assert not compute_score(f"Answer: {answer}", str(n + 1), answer_fallback=fallback).acc
 
 
 @settings(max_examples=100, deadline=None)

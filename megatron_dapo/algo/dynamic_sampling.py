@@ -1,7 +1,11 @@
-"""Dynamic sampling (DAPO §3.2): keep only groups whose rewards differ; generate until N are kept.
+"""Dynamic sampling (DAPO §3.2, eq. 11): keep only informative groups; generate until N are kept.
 
-A group whose G rewards are all equal has zero advantage everywhere, so it contributes no gradient
-but still dilutes the token-mean. With per-response accuracy p the expected kept fraction is
+The paper keeps a group when 0 < #correct < G (metric "acc"). A group that is all right or all
+wrong says nothing about correctness: with +-1 rewards its advantages are all zero, and with soft
+overlong shaping an all-wrong group's advantages merely rank its wrong answers by length. Metric
+"score" keeps any group whose rewards differ, such all-wrong groups included.
+
+With per-response accuracy p the expected kept fraction (metric "acc") is
 eff(p) = 1 - p^G - (1-p)^G, which collapses as the policy improves (G=16: p=0.95 -> 0.56,
 p=0.99 -> 0.15); the sampler therefore sizes each new round from the fraction it has observed.
 
@@ -20,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from megatron_dapo.types import Group
 
@@ -28,16 +32,23 @@ logger = logging.getLogger(__name__)
 
 OnExhausted = Literal["error", "train_partial"]
 _ON_EXHAUSTED = ("error", "train_partial")
+FilterMetric = Literal["acc", "score"]
+FILTER_METRICS: tuple[str, ...] = get_args(FilterMetric)
 
 
-def is_informative(group: Group) -> bool:
-    """True when the group's rewards have non-zero std, i.e. are not all equal.
+def is_informative(group: Group, metric: FilterMetric = "acc") -> bool:
+    """Whether dynamic sampling keeps `group`.
 
-    For +-1 rewards this is 0 < #correct < G; with soft overlong shaping two wrong answers of
-    different lengths also differ, and such a group is kept.
+    "acc" (paper eq. 11): 0 < #correct < G, by each sample's `acc`.
+    "score": the rewards are not all equal (non-zero std); with soft overlong shaping two wrong
+    answers of different lengths differ, and such an all-wrong group is kept.
     """
-    rewards = group.rewards
-    return len(rewards) >= 2 and max(rewards) != min(rewards)
+    if metric == "acc":
+        return 0 < group.num_correct < len(group.samples)
+    if metric == "score":
+        rewards = group.rewards
+        return len(rewards) >= 2 and max(rewards) != min(rewards)
+    raise ValueError(f"unknown filter metric {metric!r}; valid: {', '.join(FILTER_METRICS)}")
 
 
 def expected_informative_fraction(p: float, G: int) -> float:
@@ -60,8 +71,8 @@ class DynamicSamplingStats:
     groups_kept: int
     """Groups kept before trimming to the target (all groups when sampling is disabled)."""
     kept_frac: float
-    """Fraction of seen groups that were informative: the observed eff(p). Reported even when
-    disabled, where it is not groups_kept / groups_seen."""
+    """Fraction of seen groups that were informative (by the sampler's metric): the observed eff(p)
+    for "acc". Reported even when disabled, where it is not groups_kept / groups_seen."""
     exhausted: bool
     """Filtering was on and fewer than target_groups informative groups were found."""
 
@@ -79,6 +90,8 @@ class DynamicSampler:
         kept_frac_floor: lower bound on the kept fraction used to size the next round, so an
             unlucky round with nothing kept does not ask for an unbounded batch.
         max_growth: the next round never exceeds `max_growth * default` groups.
+        metric: what makes a group informative (see `is_informative`); the kept fraction, and so the
+            size of the next round, follow it.
     """
 
     def __init__(
@@ -90,6 +103,7 @@ class DynamicSampler:
         *,
         kept_frac_floor: float = 0.1,
         max_growth: float = 4.0,
+        metric: FilterMetric = "acc",
     ) -> None:
         if target_groups < 1:
             raise ValueError(f"target_groups must be >= 1, got {target_groups}")
@@ -101,12 +115,15 @@ class DynamicSampler:
             raise ValueError(f"kept_frac_floor must be in (0, 1], got {kept_frac_floor}")
         if max_growth < 1.0:
             raise ValueError(f"max_growth must be >= 1, got {max_growth}")
+        if metric not in FILTER_METRICS:
+            raise ValueError(f"metric must be one of {FILTER_METRICS}, got {metric!r}")
         self.target_groups = target_groups
         self.max_rounds = max_rounds
         self.on_exhausted = on_exhausted
         self.enabled = enabled
         self.kept_frac_floor = kept_frac_floor
         self.max_growth = max_growth
+        self.metric = metric
         self._kept: list[Group] = []
         self._rounds = 0
         self._seen = 0
@@ -131,7 +148,7 @@ class DynamicSampler:
         self._rounds += 1
         self._seen += len(groups)
         for group in groups:
-            informative = is_informative(group)
+            informative = is_informative(group, self.metric)
             self._informative += informative
             if informative or not self.enabled:
                 self._kept.append(group)

@@ -1,11 +1,18 @@
 """The DAPO token-level clipped policy loss (eq. 10-12) and the GRPO-style aggregations it replaces.
 
-    J = (1 / sum_i |o_i|) sum_i sum_t min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i)
+    J = (1 / sum_i |o_i|) sum_i sum_t w_it min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i)
     r_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)
 
 The loss is -J. Its denominator is the token count of the whole global batch, passed in as
 `global_num_tokens`, so that the per-micro-batch losses of all micro-batches and data-parallel
-ranks sum (all-reduce SUM) to exactly the full-batch loss and gradient.
+ranks sum (all-reduce SUM) to exactly the full-batch loss and gradient. w_it are optional constant
+importance weights (rollout correction, algo/rollout_correction.py), 1 by default; they scale the
+token terms and leave the denominator alone, so the split property holds with them too.
+
+Options beyond the paper's eq. 10 (both off by default):
+  - dual-clip (Ye et al. 2020, verl's `clip_ratio_c`): for A < 0 the objective is
+    max(min(r A, clip(r) A), c A), i.e. the token loss is capped at -c A once r > c;
+  - `is_weights`, the w_it above.
 """
 
 from __future__ import annotations
@@ -20,19 +27,29 @@ AGG_MODES: tuple[str, ...] = get_args(AggMode)
 
 Count = int | float | torch.Tensor
 
+LOG_RATIO_LIMIT = 20.0
+"""log r = log pi_theta - log pi_old is clamped to [-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT] before exp.
+r <= e^20 ~ 4.9e8 keeps r, r * A and the loss finite in fp32 whatever one wild token does. Inside the
+range the loss is exact. Outside it r is held at the bound, so that token's gradient is zero, as for
+a clipped token (torch.clamp passes the gradient on the closed range, the Triton kernel too)."""
+
 
 @dataclass
 class PolicyLossMetrics:
     """Detached scalar tensors describing one `policy_loss` call.
 
-    Fractions and means are over this call's valid (mask != 0) tokens; to combine calls,
-    weight each by its `num_tokens`.
+    Fractions and means are over this call's valid (mask != 0) tokens, whatever their importance
+    weight; to combine calls, weight each by its `num_tokens`. Ratios are the clamped ones (see
+    LOG_RATIO_LIMIT).
     """
 
     clipfrac_high: torch.Tensor
     """Fraction of tokens whose upper clip is active: A > 0 and r > 1 + eps_high (zero gradient)."""
     clipfrac_low: torch.Tensor
     """Fraction of tokens whose lower clip is active: A < 0 and r < 1 - eps_low (zero gradient)."""
+    clipfrac_dual: torch.Tensor
+    """Fraction of tokens whose dual clip is active: A < 0 and r > clip_ratio_c (zero gradient);
+    0 when dual-clip is off."""
     ratio_mean: torch.Tensor
     ratio_max: torch.Tensor
     approx_kl: torch.Tensor
@@ -51,6 +68,8 @@ def policy_loss(
     global_num_tokens: Count | None = None,
     *,
     global_num_seqs: Count | None = None,
+    clip_ratio_c: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PolicyLossMetrics]:
     """Clip-higher, token-level policy-gradient loss (to minimise).
 
@@ -62,20 +81,26 @@ def policy_loss(
             the other inputs are ignored, even if they are inf or nan.
         eps_low, eps_high: the decoupled clip range [1 - eps_low, 1 + eps_high] of the ratio.
         agg_mode: "token-mean" (DAPO): token sum / global_num_tokens.
-            "seq-mean-token-mean" (GRPO): sum over rows of the row's token mean / global_num_seqs.
-            "seq-mean-token-sum": sum over rows of the row's token sum / global_num_seqs.
+            "seq-mean-token-mean" (GRPO): sum over rows of (the row's token sum / its valid-token
+            count), / global_num_seqs. "seq-mean-token-sum": sum over rows of the row's token sum,
+            / global_num_seqs.
         global_num_tokens: valid-token count of the whole global batch (token-mean only);
             default: this call's mask count.
         global_num_seqs: number of rows with >= 1 valid token in the whole global batch (seq
             modes only); default: this call's count.
+        clip_ratio_c: dual-clip bound c > 1: for A < 0 the token loss is capped at -c A (zero gradient
+            beyond it). None (default) is the paper's eq. 10.
+        is_weights: [B, T] constant per-token weights (detached here) multiplying the token loss terms;
+            the normalisers above stay valid-token / valid-row counts.
 
-    A zero denominator (nothing valid anywhere) gives a loss of 0, not nan. The ratio is not
-    clamped, so the loss is exact; callers feed fp32 log-probabilities.
+    A zero denominator (nothing valid anywhere) gives a loss of 0, not nan. The log-ratio is clamped
+    to +-LOG_RATIO_LIMIT (see there); callers feed fp32 log-probabilities.
 
     Returns:
         (loss, metrics): a scalar loss and detached `PolicyLossMetrics`.
     """
-    validate_inputs(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, agg_mode)
+    validate_inputs(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, agg_mode,
+                    clip_ratio_c=clip_ratio_c, is_weights=is_weights)
     valid = mask != 0
     weight = mask.to(logprobs.dtype)
     if advantages.dim() == 1:
@@ -84,15 +109,38 @@ def policy_loss(
 
     # where() keeps garbage at padded positions (e.g. -inf logprobs) out of exp() and its gradient.
     log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
+    log_ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     advantages = torch.where(valid, advantages, torch.zeros_like(advantages))
     ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     objective = torch.minimum(ratio * advantages, clipped * advantages)
-    token_loss = -objective * weight
+    dual = _dual_clip_active(ratio.detach(), advantages, clip_ratio_c)
+    if clip_ratio_c is not None:
+        objective = torch.where(dual, clip_ratio_c * advantages, objective)
+    token_loss = -objective * _token_weights(weight, valid, is_weights)
 
-    loss = _aggregate(token_loss, weight, valid, agg_mode, global_num_tokens, global_num_seqs)
-    metrics = _metrics(ratio.detach(), log_ratio.detach(), advantages, valid, eps_low, eps_high)
+    loss = aggregate(token_loss, weight, valid, agg_mode, global_num_tokens, global_num_seqs)
+    metrics = _metrics(ratio.detach(), log_ratio.detach(), advantages, valid, dual, eps_low, eps_high)
     return loss, metrics
+
+
+def _dual_clip_active(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_ratio_c: float | None
+) -> torch.Tensor:
+    """Where the dual clip replaces the objective by c A: A < 0 and r > c (for A < 0 the clipped
+    objective is A max(r, 1 - eps_low), which falls below c A exactly when r > c, as c > 1)."""
+    if clip_ratio_c is None:
+        return torch.zeros_like(ratio, dtype=torch.bool)
+    return (advantages < 0) & (ratio > clip_ratio_c)
+
+
+def _token_weights(
+    weight: torch.Tensor, valid: torch.Tensor, is_weights: torch.Tensor | None
+) -> torch.Tensor:
+    """mask * is_weights (detached, zero where the mask is) in the mask's dtype."""
+    if is_weights is None:
+        return weight
+    return weight * torch.where(valid, is_weights.detach().to(weight.dtype), torch.zeros_like(weight))
 
 
 def validate_inputs(
@@ -103,6 +151,9 @@ def validate_inputs(
     eps_low: float,
     eps_high: float,
     agg_mode: str,
+    *,
+    clip_ratio_c: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> None:
     if agg_mode not in AGG_MODES:
         raise ValueError(f"unknown agg_mode {agg_mode!r}; valid: {', '.join(AGG_MODES)}")
@@ -110,10 +161,13 @@ def validate_inputs(
         raise ValueError(f"eps_low must be in [0, 1), got {eps_low}")
     if eps_high < 0.0:
         raise ValueError(f"eps_high must be >= 0, got {eps_high}")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (or None to disable dual-clip), got {clip_ratio_c}")
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
-    for name, t in (("old_logprobs", old_logprobs), ("mask", mask)):
-        if t.shape != logprobs.shape:
+    named = (("old_logprobs", old_logprobs), ("mask", mask), ("is_weights", is_weights))
+    for name, t in named:
+        if t is not None and t.shape != logprobs.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
     if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
         raise ValueError(
@@ -126,7 +180,7 @@ def _as_denominator(count: Count | None, default: torch.Tensor) -> torch.Tensor:
     return value.to(device=default.device, dtype=default.dtype).clamp(min=1)
 
 
-def _aggregate(
+def aggregate(
     token_loss: torch.Tensor,
     weight: torch.Tensor,
     valid: torch.Tensor,
@@ -134,6 +188,10 @@ def _aggregate(
     global_num_tokens: Count | None,
     global_num_seqs: Count | None,
 ) -> torch.Tensor:
+    """[B, T] token losses (zero where invalid) -> the scalar loss of `agg_mode` (see policy_loss).
+
+    `weight` is the 0/1 mask in the loss dtype: its counts are the normalisers.
+    """
     if agg_mode == "token-mean":
         return token_loss.sum() / _as_denominator(global_num_tokens, weight.sum())
     seq_loss = token_loss.sum(dim=-1)
@@ -149,6 +207,7 @@ def _metrics(
     log_ratio: torch.Tensor,
     advantages: torch.Tensor,
     valid: torch.Tensor,
+    dual: torch.Tensor,
     eps_low: float,
     eps_high: float,
 ) -> PolicyLossMetrics:
@@ -166,6 +225,7 @@ def _metrics(
     return PolicyLossMetrics(
         clipfrac_high=frac((advantages > 0) & (ratio > 1.0 + eps_high)),
         clipfrac_low=frac((advantages < 0) & (ratio < 1.0 - eps_low)),
+        clipfrac_dual=frac(dual),
         ratio_mean=(ratio * valid).sum() / denom,
         ratio_max=ratio_max,
         approx_kl=(k3 * valid).sum() / denom,

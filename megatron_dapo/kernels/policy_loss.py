@@ -1,8 +1,10 @@
-"""The DAPO token-level clipped loss straight from logits: logprob/entropy kernel + clip on top.
+"""The DAPO policy loss for the actor: from logits, from hidden states, or from token logprobs.
 
-Equals algo.loss.policy_loss(agg_mode="token-mean") applied to the exact token logprobs, with an
-optional entropy bonus normalised by the same global token count, so micro-batch and data-parallel
-splits still sum to the full-batch loss and gradient.
+`loss_from_logprobs` is the one "logprobs -> loss" entry: algo.loss.policy_loss (any agg_mode,
+dual-clip, importance weights) through the fused Triton clip kernel or plain torch, plus an optional
+entropy bonus normalised by the global token count. `fused_policy_loss` / `fused_linear_policy_loss`
+put the logprob/entropy kernel in front of it. Every normaliser is a global count, so micro-batch
+and data-parallel splits still sum to the full-batch loss and gradient.
 """
 
 from __future__ import annotations
@@ -12,14 +14,21 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.algo.loss import Count, PolicyLossMetrics, policy_loss, validate_inputs
+from megatron_dapo.algo.loss import (
+    AggMode,
+    Count,
+    PolicyLossMetrics,
+    aggregate,
+    policy_loss,
+    validate_inputs,
+)
 from megatron_dapo.kernels.linear_logprobs import linear_logprobs_and_entropy
 from megatron_dapo.kernels.logprobs import resolve_impl, token_logprobs_and_entropy
 
 
 @dataclass
 class FusedLossMetrics(PolicyLossMetrics):
-    """PolicyLossMetrics plus the mean entropy (nats) over this call's valid tokens."""
+    """PolicyLossMetrics plus the mean entropy (nats) over this call's valid tokens (0 without entropy)."""
 
     entropy: torch.Tensor
 
@@ -34,6 +43,10 @@ def fused_policy_loss(
     eps_low: float,
     eps_high: float,
     global_num_tokens: Count | None,
+    global_num_seqs: Count | None = None,
+    agg_mode: AggMode = "token-mean",
+    clip_ratio_c: float | None = None,
+    is_weights: torch.Tensor | None = None,
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
     entropy_coef: float = 0.0,
@@ -41,16 +54,13 @@ def fused_policy_loss(
     inplace_backward: bool = False,
     chunk_bytes: int | None = None,
 ) -> tuple[torch.Tensor, FusedLossMetrics]:
-    """The DAPO loss to minimise, from logits:
-
-        policy_loss(logprobs, ..., "token-mean", global_num_tokens)
-            - entropy_coef * sum(mask * entropy) / global_num_tokens
+    """loss_from_logprobs(*token_logprobs_and_entropy(logits, targets), ...): the DAPO loss from logits.
 
     Args:
         logits: [B, T, V_local] (vocab shard when `tp_group` has >1 ranks, see token_logprobs_and_entropy).
         targets: [B, T] global token ids; old_logprobs, mask: [B, T]; advantages: [B] or [B, T].
-        global_num_tokens: valid-token count of the whole global batch (None: this call's count).
-        entropy_coef: 0 keeps the entropy a monitor only (its backward is skipped).
+        global_num_tokens, global_num_seqs, agg_mode, clip_ratio_c, is_weights, entropy_coef:
+            as in loss_from_logprobs.
         impl, inplace_backward, chunk_bytes: as in token_logprobs_and_entropy.
     """
     impl = resolve_impl(impl, logits.device)
@@ -63,18 +73,12 @@ def fused_policy_loss(
         inplace_backward=inplace_backward,
         chunk_bytes=chunk_bytes,
     )
-    return dapo_loss_from_logprobs(
-        logprobs,
-        entropy,
-        old_logprobs,
-        advantages,
-        mask,
-        eps_low,
-        eps_high,
-        global_num_tokens,
-        entropy_coef,
-        impl,
-    )
+    return loss_from_logprobs(
+        logprobs, entropy, old_logprobs, advantages, mask,
+        eps_low=eps_low, eps_high=eps_high, agg_mode=agg_mode, global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs, entropy_coef=entropy_coef, clip_ratio_c=clip_ratio_c,
+        is_weights=is_weights, impl=impl,
+    )  # fmt: skip
 
 
 def fused_linear_policy_loss(
@@ -88,6 +92,10 @@ def fused_linear_policy_loss(
     eps_low: float,
     eps_high: float,
     global_num_tokens: Count | None,
+    global_num_seqs: Count | None = None,
+    agg_mode: AggMode = "token-mean",
+    clip_ratio_c: float | None = None,
+    is_weights: torch.Tensor | None = None,
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
     entropy_coef: float = 0.0,
@@ -108,51 +116,73 @@ def fused_linear_policy_loss(
         impl=impl,
         chunk_bytes=chunk_bytes,
     )
-    return dapo_loss_from_logprobs(
-        logprobs,
-        entropy,
-        old_logprobs,
-        advantages,
-        mask,
-        eps_low,
-        eps_high,
-        global_num_tokens,
-        entropy_coef,
-        impl,
-    )
+    return loss_from_logprobs(
+        logprobs, entropy, old_logprobs, advantages, mask,
+        eps_low=eps_low, eps_high=eps_high, agg_mode=agg_mode, global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs, entropy_coef=entropy_coef, clip_ratio_c=clip_ratio_c,
+        is_weights=is_weights, impl=impl,
+    )  # fmt: skip
 
 
-def dapo_loss_from_logprobs(
+def loss_from_logprobs(
     logprobs: torch.Tensor,
-    entropy: torch.Tensor,
+    entropy: torch.Tensor | None,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    *,
     eps_low: float,
     eps_high: float,
-    global_num_tokens: Count | None,
-    entropy_coef: float,
-    impl: str,
+    agg_mode: AggMode = "token-mean",
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    entropy_coef: float = 0.0,
+    clip_ratio_c: float | None = None,
+    is_weights: torch.Tensor | None = None,
+    impl: str = "torch",
 ) -> tuple[torch.Tensor, FusedLossMetrics]:
-    """The token-mean clipped loss (fused clip kernel for impl="triton") minus the entropy bonus."""
-    if impl == "triton":
-        loss, metrics = _triton_policy_loss(
-            logprobs, old_logprobs, advantages, mask, eps_low, eps_high, global_num_tokens
-        )
+    """The DAPO loss to minimise from [B, T] token logprobs (and entropies):
+
+        policy_loss(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, agg_mode,
+                    global_num_tokens, global_num_seqs=..., clip_ratio_c=..., is_weights=...)
+            - entropy_coef * sum(mask * entropy) / global_num_tokens
+
+    Args:
+        entropy: [B, T] token entropies, or None (then the metric is 0 and entropy_coef must be 0).
+            With entropy_coef == 0 it is a detached monitor, so the kernels skip its backward.
+        global_num_tokens: valid-token count of the global batch: the token-mean normaliser and, in
+            every agg_mode, the entropy bonus's (None: this call's count).
+        impl: "triton" runs the fused clip kernel (the seq modes aggregate its token losses in torch);
+            "torch" runs algo.loss.policy_loss; "auto" as in kernels.resolve_impl.
+        The rest: as in algo.loss.policy_loss.
+    """
+    impl = resolve_impl(impl, logprobs.device)
+    if entropy is None and entropy_coef != 0.0:
+        raise ValueError(f"entropy_coef={entropy_coef} needs token entropies, got entropy=None")
+    loss_fn = _triton_policy_loss if impl == "triton" else policy_loss
+    loss, metrics = loss_fn(
+        logprobs, old_logprobs, advantages, mask, eps_low, eps_high, agg_mode, global_num_tokens,
+        global_num_seqs=global_num_seqs, clip_ratio_c=clip_ratio_c, is_weights=is_weights,
+    )  # fmt: skip
+    if entropy is None:
+        mean_entropy = torch.zeros((), device=logprobs.device)
     else:
-        loss, metrics = policy_loss(
-            logprobs, old_logprobs, advantages, mask, eps_low, eps_high, "token-mean", global_num_tokens
-        )
-    valid = mask != 0
-    if entropy_coef == 0.0:
-        entropy = entropy.detach()  # a monitor: no gradient reaches it, so the kernels skip its backward
-    entropy_sum = torch.where(valid, entropy, 0.0).sum()
-    if entropy_coef != 0.0:
-        loss = loss - entropy_coef * entropy_sum / _denominator(global_num_tokens, valid)
-    mean_entropy = entropy_sum.detach() / metrics.num_tokens.clamp(min=1)
+        bonus, mean_entropy = _entropy_bonus(entropy, mask != 0, entropy_coef, global_num_tokens)
+        loss = loss - bonus if entropy_coef != 0.0 else loss
     return loss, FusedLossMetrics(
         **{f.name: getattr(metrics, f.name) for f in fields(metrics)}, entropy=mean_entropy
     )
+
+
+def _entropy_bonus(
+    entropy: torch.Tensor, valid: torch.Tensor, entropy_coef: float, global_num_tokens: Count | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(entropy_coef * sum(valid * entropy) / global_num_tokens, detached mean entropy over valid tokens)."""
+    if entropy_coef == 0.0:
+        entropy = entropy.detach()  # a monitor: no gradient reaches it, so the kernels skip its backward
+    entropy_sum = torch.where(valid, entropy, 0.0).sum()
+    bonus = entropy_coef * entropy_sum / _denominator(global_num_tokens, valid)
+    return bonus, entropy_sum.detach() / valid.sum().clamp(min=1)
 
 
 def _denominator(count: Count | None, valid: torch.Tensor) -> torch.Tensor:
@@ -167,24 +197,35 @@ def _triton_policy_loss(
     mask: torch.Tensor,
     eps_low: float,
     eps_high: float,
+    agg_mode: AggMode,
     global_num_tokens: Count | None,
+    *,
+    global_num_seqs: Count | None,
+    clip_ratio_c: float | None,
+    is_weights: torch.Tensor | None,
 ) -> tuple[torch.Tensor, PolicyLossMetrics]:
-    """The token-mean loss through the fused clip kernel; same inputs, result and metrics as policy_loss."""
-    from megatron_dapo.kernels.policy_loss_triton import ClipLoss
+    """policy_loss through the fused clip kernel: same arguments, result and metrics (in fp32)."""
+    from megatron_dapo.kernels.policy_loss_triton import DUAL_CLIP_OFF, ClipLoss
 
-    validate_inputs(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, "token-mean")
+    validate_inputs(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, agg_mode,
+                    clip_ratio_c=clip_ratio_c, is_weights=is_weights)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     f32 = {"dtype": torch.float32, "device": logprobs.device}
+    weight = mask.detach().to(**f32)
+    valid = mask != 0
+    isw = torch.ones_like(weight) if is_weights is None else is_weights.detach().to(**f32)
     flat = [
-        old_logprobs.detach().to(**f32).reshape(-1).contiguous(),
-        advantages.detach().to(**f32).expand_as(logprobs).reshape(-1).contiguous(),
-        mask.detach().to(**f32).reshape(-1).contiguous(),
+        old_logprobs.detach().to(**f32),
+        advantages.detach().to(**f32).expand_as(logprobs),
+        weight,
+        isw,
     ]
-    token_loss, ratio, log_ratio, clip = ClipLoss.apply(logprobs.reshape(-1), *flat, eps_low, eps_high)
-    valid = flat[2] != 0
-    loss = token_loss.sum() / _denominator(global_num_tokens, valid)
-    return loss, _clip_metrics(ratio, log_ratio, clip, valid)
+    flat = [t.reshape(-1).contiguous() for t in (logprobs.float(), *flat)]
+    dual_c = DUAL_CLIP_OFF if clip_ratio_c is None else float(clip_ratio_c)
+    token_loss, ratio, log_ratio, clip = ClipLoss.apply(*flat, eps_low, eps_high, dual_c)
+    loss = aggregate(token_loss.view_as(weight), weight, valid, agg_mode, global_num_tokens, global_num_seqs)
+    return loss, _clip_metrics(ratio, log_ratio, clip, valid.reshape(-1))
 
 
 @torch.no_grad()
@@ -196,8 +237,9 @@ def _clip_metrics(
     return PolicyLossMetrics(
         clipfrac_high=(clip == 1).sum().float() / denom,
         clipfrac_low=(clip == -1).sum().float() / denom,
+        clipfrac_dual=(clip == 2).sum().float() / denom,
         ratio_mean=(ratio * valid).sum() / denom,
-        ratio_max=torch.where(valid, ratio, 0.0).max(),
+        ratio_max=torch.where(valid, ratio, 0.0).max() if ratio.numel() else ratio.new_zeros(()),
         approx_kl=(((ratio - 1.0) - log_ratio) * valid).sum() / denom,
         num_tokens=num_tokens,
     )

@@ -1,17 +1,19 @@
 """Rule-based DAPO-Math reward (DAPO eq. 7): +1 if the extracted answer equals the truth, else -1.
 
-Extraction from the response, first hit wins (precedence):
-  1. the LAST ``Answer:`` marker (case-insensitive; markdown ``**Answer:**`` too): the rest of its
-     line, or the next non-empty line when the marker ends its line;
-  2. the last ``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces;
-  3. the last GSM8K-style ``#### ...`` line.
-A candidate that normalises to "" falls through to the next rule. Nothing else counts: "The answer
-is 13" without a marker gives ``pred=None`` and score -1.
+The answer is the rest of the line after the LAST ``Answer:`` marker in the response (case-insensitive;
+markdown ``**Answer:**`` too), or the next non-empty line when the marker ends its line: what the
+DAPO prompt asks for. Nothing else counts by default: "The answer is 13" or a bare ``\\boxed{13}``
+gives ``pred=None`` and score -1. With ``answer_fallback="boxed"`` (for prompts that ask for a box or
+GSM8K's ``####``), a missing or empty ``Answer:`` line falls through, in this order, to the last
+``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces, then the last ``#### ...`` line.
 
 The ground truth may be plain (``"13"``), LaTeX (``"$\\frac{1}{2}$"``, ``"\\boxed{13}"``) or GSM8K
 (``"... #### 1,234"``: the text after the last ``####``). Both sides go through the same Minerva-style
-normalisation (Lewkowycz et al. 2022). Integers compare by value ("007" == "7", "-0" == "0",
-"1,000" == "1000", "12.0" == "12"); anything else by normalised string equality.
+normalisation (Lewkowycz et al. 2022), which also drops wrappers real completions put around the
+answer: ``$..$``, ``$$..$$``, ``\\(..\\)``, ``\\[..\\]``, ``\\boxed``/``\\fbox``, ``\\text``, ``\\textbf``,
+``\\mathbf``, ``\\mathrm``, ``**..**`` and a percent sign (``42\\%``, ``42%``), nested ones too.
+Integers compare by value ("007" == "7", "-0" == "0", "1,000" == "1000", "12.0" == "12"); anything else
+by normalised string equality.
 
 Work is bounded for any input: markers are searched only in the last ``SEARCH_TAIL_CHARS`` characters
 of the response, a candidate answer is at most ``MAX_ANSWER_CHARS`` long, truths longer than
@@ -23,8 +25,19 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-__all__ = ["RewardResult", "compute_score", "normalize_answer", "extract_answer"]
+__all__ = [
+    "ANSWER_FALLBACKS",
+    "AnswerFallback",
+    "RewardResult",
+    "compute_score",
+    "extract_answer",
+    "normalize_answer",
+]
+
+AnswerFallback = Literal["none", "boxed"]
+ANSWER_FALLBACKS: tuple[str, ...] = get_args(AnswerFallback)
 
 SEARCH_TAIL_CHARS = 4096  # markers (Answer:, \boxed, ####) must lie in this tail of the response
 MAX_ANSWER_CHARS = 300  # an extracted candidate answer is cut to this many characters
@@ -34,7 +47,8 @@ _log = logging.getLogger(__name__)
 
 _ANSWER_MARKER = re.compile(r"answer[ \t*]*:", re.IGNORECASE)
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
-_WRAPPERS = re.compile(r"\\(?:text|textbf|overline)\{([^{}]*)\}")
+_WRAPPER_COMMANDS = ("\\text", "\\textbf", "\\mathbf", "\\mathrm", "\\overline")
+_MATH_DELIMITERS = ("\\(", "\\)", "\\[", "\\]")
 _FRAC_SHORTHAND = re.compile(r"frac([^{])(.)")
 _SQRT_SHORTHAND = re.compile(r"sqrt([^{])")
 _THOUSANDS = re.compile(r"[+-]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?")
@@ -80,6 +94,29 @@ def last_boxed(text: str) -> str | None:
     return best
 
 
+def _unwrap(text: str) -> str:
+    """Drop each wrapper command (``\\text{..}``, ``\\mathbf{..}``, ...) around its balanced argument,
+    nested ones too: ``\\text{\\mathbf{4}}`` -> ``4``. One pass with a brace stack, linear in
+    ``len(text)``; a wrapper whose brace never closes is left as it is."""
+    drop = bytearray(len(text))
+    stack: list[tuple[int, int]] = []  # (start of the owning wrapper command or -1, index of "{")
+    for i, ch in enumerate(text):
+        if ch == "{":
+            cmd = next((c for c in _WRAPPER_COMMANDS if text.endswith(c, 0, i)), "")
+            stack.append((i - len(cmd) if cmd else -1, i))
+        elif ch == "}" and stack:
+            start, brace = stack.pop()
+            if start >= 0:
+                drop[start:brace + 1] = b"\x01" * (brace + 1 - start)
+                drop[i] = 1
+    return "".join(ch for ch, dropped in zip(text, drop) if not dropped)
+
+
+def _trim(text: str) -> str:
+    """Strip whitespace and markdown emphasis (``**42**``) from both ends."""
+    return text.strip().strip("*").strip()
+
+
 def _first_math(text: str) -> str:
     """Content of the first ``$...$`` pair (Minerva), or the text unchanged."""
     first = text.find("$")
@@ -98,11 +135,13 @@ def normalize_answer(answer: str) -> str:
         text = text.replace(before, after)
     for expr in REMOVED_EXPRESSIONS:
         text = text.replace(expr, "")
-    text = _first_math(text)
-    text = _WRAPPERS.sub(r"\1", text)
+    text = _first_math(text.replace("$$", "$"))  # display math $$..$$ as inline
+    for delimiter in _MATH_DELIMITERS:
+        text = text.replace(delimiter, "")
+    text = _unwrap(text).replace("\\%", "").replace("%", "")
     text = _FRAC_SHORTHAND.sub(r"frac{\1}{\2}", text)
     text = _SQRT_SHORTHAND.sub(r"sqrt{\1}", text)
-    text = text.replace("$", "").strip().rstrip(".").strip()
+    text = _trim(_trim(text.replace("$", "")).rstrip("."))
     if text.startswith("+"):
         text = text[1:]
     if _THOUSANDS.fullmatch(text):
@@ -132,14 +171,16 @@ def _line_after(text: str, pos: int) -> str:
     return rest.split("\n", 1)[0].strip().strip("*").strip()
 
 
-def _candidates(tail: str) -> list[str]:
-    """Raw answer candidates in precedence order: Answer: line, \\boxed, ####."""
+def _candidates(tail: str, answer_fallback: AnswerFallback) -> list[str]:
+    """Raw answer candidates in precedence order: Answer: line, then ("boxed") \\boxed and ####."""
     found: list[str] = []
     marker = None
     for marker in _ANSWER_MARKER.finditer(tail):
         pass
     if marker is not None:
         found.append(_line_after(tail, marker.end()))
+    if answer_fallback == "none":
+        return found
     boxed = last_boxed(tail)
     if boxed is not None:
         found.append(boxed[-MAX_ANSWER_CHARS:])
@@ -149,9 +190,9 @@ def _candidates(tail: str) -> list[str]:
     return found
 
 
-def extract_answer(response: str) -> str | None:
+def extract_answer(response: str, answer_fallback: AnswerFallback = "none") -> str | None:
     """Normalised answer extracted from a model response, or None (see module docstring)."""
-    for candidate in _candidates(response[-SEARCH_TAIL_CHARS:]):
+    for candidate in _candidates(response[-SEARCH_TAIL_CHARS:], answer_fallback):
         pred = normalize_answer(candidate)
         if pred:
             return pred
@@ -172,8 +213,8 @@ def _as_text(value: object) -> str:
     return ""
 
 
-def _score(response: str, ground_truth: str) -> RewardResult:
-    pred = extract_answer(response)
+def _score(response: str, ground_truth: str, answer_fallback: AnswerFallback) -> RewardResult:
+    pred = extract_answer(response, answer_fallback)
     truth = _truth_text(ground_truth)
     acc = (
         pred is not None
@@ -183,15 +224,22 @@ def _score(response: str, ground_truth: str) -> RewardResult:
     return RewardResult(score=1.0 if acc else -1.0, acc=acc, pred=pred)
 
 
-def compute_score(response: str, ground_truth: str) -> RewardResult:
-    """DAPO eq. 7 reward of one response against its ground truth; never raises.
+def compute_score(
+    response: str, ground_truth: str, *, answer_fallback: AnswerFallback = "none"
+) -> RewardResult:
+    """DAPO eq. 7 reward of one response against its ground truth; never raises for any input.
+
+    answer_fallback: "none" (DAPO: only the ``Answer:`` line counts) or "boxed" (then the last
+    ``\\boxed{}``, then ``####``); an unknown value is a programming error (ValueError).
 
     The guard below is narrow and documented: the parser is written not to raise for any str input
     (fuzzed in tests); should a bug slip through, the sample scores -1 and a warning is logged
     instead of killing a rollout worker.
     """
+    if answer_fallback not in ANSWER_FALLBACKS:
+        raise ValueError(f"answer_fallback must be one of {ANSWER_FALLBACKS}, got {answer_fallback!r}")
     try:
-        return _score(_as_text(response), _as_text(ground_truth))
+        return _score(_as_text(response), _as_text(ground_truth), answer_fallback)
     except (ValueError, IndexError, RecursionError) as exc:  # pragma: no cover - defensive
         _log.warning("reward parser failed (%s: %s); scoring -1", type(exc).__name__, exc)
         return RewardResult(score=-1.0, acc=False, pred=None)

@@ -30,7 +30,8 @@ def score_group(group: Group, tokenizer, reward: RewardConfig, max_response_len:
     """R_i = rule reward (eq. 7) + soft overlong punishment (eq. 13, if enabled), in place."""
     for s in group.samples:
         s.response_text = decode_response(tokenizer, s.response_ids)
-        result = compute_score(s.response_text, group.prompt.ground_truth)
+        result = compute_score(s.response_text, group.prompt.ground_truth,
+                               answer_fallback=reward.answer_fallback)
         s.acc, s.pred, s.reward = result.acc, result.pred, result.score
         if reward.soft_overlong_punishment:
             s.reward += soft_overlong_penalty(s.response_len, max_response_len, reward.overlong_cache_len,
