@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import _convert_common as cc  # noqa: E402
 
 from megatron_dapo import parallel  # noqa: E402
-from megatron_dapo.actor.actor import Actor, LossSettings  # noqa: E402
+from megatron_dapo.actor.actor import Actor  # noqa: E402
 from megatron_dapo.actor.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_dapo.actor.model import load_hf_config, spec_from_hf  # noqa: E402
 from megatron_dapo.config import Config  # noqa: E402
@@ -28,7 +28,7 @@ def main() -> None:
     cfg.model.dtype = "float32"
     parallel.initialize(cfg.parallel, seed=3)
     spec = spec_from_hf(load_hf_config(ckpt / cc.HF_SUBDIR))
-    actor = Actor(spec, cfg.model, cfg.parallel, cfg.actor, LossSettings())  # random init, then overwritten
+    actor = Actor(spec, cfg.model, cfg.parallel, cfg.actor)  # random init, then overwritten
     load_checkpoint(actor, ckpt, load_optimizer=False)
     logits = cc.megatron_logits(actor.module, cc.verify_tokens(spec), spec.vocab_size)
     torch.save({"logits": logits, "padded_vocab": spec.padded_vocab_size(tp)},
