@@ -1,8 +1,9 @@
 """Run megatron-core (0.16) on a machine without CUDA: gloo, fp32, CPU tensors.
 
-megatron-core hard-codes CUDA in a few places (see ../shared/notes/platform-facts.md). `enable()`
-redirects exactly those, and only when CUDA is absent; on a CUDA machine it does nothing. Each patch
-names the megatron-core call that needs it.
+megatron-core hard-codes CUDA in a few places (`torch.cuda.current_device()`, `device="cuda"` in the
+schedules, `torch.cuda.synchronize()`, optimizers checking `param.type()`...). `enable()` redirects
+exactly those, and only when CUDA is absent; on a CUDA machine it does nothing. Each patch names the
+megatron-core call that needs it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,17 @@
-"""TensorBoard scalars (the paper's §4.3 dashboard), alarms, and an end-of-run PNG of the dynamics."""
+"""TensorBoard scalars (the paper's §4.3 dashboard), alarms, an end-of-run PNG of the dynamics, phase timers
+and the progress bar."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from megatron_dapo.config import LoggingConfig
 
@@ -115,3 +120,37 @@ class MetricsWriter:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+
+class PhaseTimer:
+    """Wall time per named phase of a step (`with timer("rollout"): ...`); `take()` returns and resets."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[name] += time.perf_counter() - t0
+
+    def move(self, src: str, dst: str, seconds: float) -> None:
+        """Re-attribute `seconds` of phase `src` to `dst` (e.g. reward scoring inside the rollout)."""
+        self._seconds[src] -= seconds
+        self._seconds[dst] += seconds
+
+    def take(self) -> dict[str, float]:
+        out = dict(self._seconds)
+        self._seconds.clear()
+        return out
+
+
+def progress(steps: range, enabled: bool) -> Any:
+    """A tqdm bar over `steps` on the driver rank; the plain range elsewhere."""
+    if not enabled:
+        return steps
+    from tqdm import tqdm
+
+    return tqdm(steps, desc="dapo", unit="step", initial=0, total=len(steps), dynamic_ncols=True)

@@ -157,6 +157,13 @@ def dp_group():
     return _ps().get_data_parallel_group()
 
 
+def dp_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum `t` over the data-parallel ranks in place (a collective when DP > 1); returns it."""
+    if dist.is_initialized() and dp_size() > 1:
+        dist.all_reduce(t, group=dp_group())
+    return t
+
+
 def is_first_stage() -> bool:
     return _ps().is_pipeline_first_stage()
 

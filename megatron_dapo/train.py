@@ -15,58 +15,83 @@ import time
 from megatron_dapo import parallel
 from megatron_dapo.cli import quiet_third_party
 from megatron_dapo.config import Config, ConfigError, build_parser, load_config, to_yaml, validate
-from megatron_dapo.rollout.collect import StepRollout, collect_step
-from megatron_dapo.run_state import RunState, SetupError, build_run, step_sampling
+from megatron_dapo.loop import distribute, scalars
+from megatron_dapo.loop.collect import StepRollout, collect_step, evaluate, step_sampling
+from megatron_dapo.loop.state import RunState, SetupError, build_run
+from megatron_dapo.metrics import progress
 
-log = logging.getLogger("megatron_dapo.train")
+log = logging.getLogger(__name__)
 
 
 def train(cfg: Config) -> dict[str, float]:
     """Run the configured steps (resuming if asked); returns the last step's scalars."""
     run = build_run(cfg)
-    scalars: dict[str, float] = {}
+    out: dict[str, float] = {}
     if run.start_step == 0 and run.wants_eval(0):
-        run.write(0, run.evaluate())
-    for step in run.progress(range(run.start_step + 1, cfg.train.steps + 1)):
-        scalars = dapo_step(run, step)
+        write(run, 0, validate_policy(run))
+    bar = progress(range(run.start_step + 1, cfg.train.steps + 1), enabled=run.is_driver)
+    for step in bar:
+        out = dapo_step(run, step)
         last = run.budget_spent()
         if run.wants_eval(step) or (last and run.val_prompts):
-            scalars.update(run.evaluate())
-        run.write(step, scalars)
+            out.update(validate_policy(run))
+        write(run, step, out, bar)
         if run.wants_checkpoint(step) or last:
             run.save(step)
         if last:
             log.info("rollout budget of %d responses spent after step %d", cfg.train.rollout_budget, step)
             break
+    if hasattr(bar, "close"):
+        bar.close()
     run.finish()
-    return scalars
+    return out
 
 
 def dapo_step(run: RunState, step: int) -> dict[str, float]:
     """One DAPO step: rollout -> rewards -> dynamic sampling -> advantages -> pi_old -> updates -> sync."""
-    cfg, t_step = run.cfg, time.perf_counter()
-    with run.timer("rollout"):  # (generation and reward scoring happen round by round)
+    cfg, timer, t_step = run.cfg, run.timer, time.perf_counter()
+    with timer("rollout"):  # (generation and reward scoring happen round by round)
         rollout: StepRollout | None = None
         if run.is_driver:
-            rollout = collect_step(run.engine, run.tokenizer, run.next_prompts, target_groups=run.target_groups,
+            rollout = collect_step(run.engine, run.tokenizer, run.next_prompts, target_groups=cfg.train.prompt_batch_size,
                                    algo=cfg.algo, reward=cfg.reward, max_response_len=cfg.rollout.max_response_len,
                                    sampling=lambda r: step_sampling(cfg, step, r, run.eos_ids))
-        rollout = run.broadcast(rollout)
-    scalars = run.rollout_scalars(rollout)
-    groups = run.trainable(rollout.groups)
+        rollout = distribute.share(rollout)
+    timer.move("rollout", "reward", rollout.reward_seconds)
+    run.samples_generated += sum(len(g.samples) for g in rollout.generated)
+    groups = distribute.trainable(rollout.groups, run.num_mini_batches)
+    out = scalars.rollout_scalars(rollout, samples_total=run.samples_generated, groups_trained=len(groups))
     if not groups:
         log.warning("step %d: no informative group to train on; skipping the update", step)
-        return {**scalars, **run.timings(t_step)}
-    batch = run.local_batch(groups)  # advantages + this DP rank's rows
-    run.engine_sleep()
-    with run.timer("old_logprob"):
+        return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, 0, None)}
+    batch = distribute.local_batch(groups, overlong_filtering=cfg.algo.overlong_filtering,
+                                   pad_id=run.tokenizer.pad_token_id or 0)
+    run.phases.train()
+    with timer("old_logprob"):
         batch.old_logprobs, entropy = run.actor.compute_logprobs(batch)
-    with run.timer("update"):
+    with timer("update"):
         update = run.actor.train_step(batch, num_mini_batches=run.num_mini_batches, epochs=cfg.algo.epochs_per_rollout)
-    with run.timer("weight_sync"):
-        run.sync_weights()
-    scalars.update(run.update_scalars(update, batch, entropy, groups))
-    return {**scalars, **run.timings(t_step, tokens=int(batch.lengths.sum()))}
+    with timer("weight_sync"):
+        sync = run.phases.sync()
+    out.update(scalars.update_scalars(update, parallel.dp_sum(scalars.token_sums(batch, entropy))))
+    tokens = int(batch.lengths.sum())
+    return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, tokens, sync.bytes)}
+
+
+def validate_policy(run: RunState) -> dict[str, float]:
+    """avg@k on the validation prompts (driver only; other ranks return nothing)."""
+    if not run.is_driver:
+        return {}
+    return evaluate(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids)
+
+
+def write(run: RunState, step: int, values: dict[str, float], bar=None) -> None:
+    """Alarms on top of the step's scalars, to TensorBoard; a few of them on the progress bar."""
+    values = {**values, **run.alarms.check(values)}
+    run.writer.write(step, values)
+    if hasattr(bar, "set_postfix"):
+        bar.set_postfix({k.split("/")[-1]: f"{v:.3f}" for k, v in values.items()
+                         if k in ("train/acc_mean", "val/acc_avg_at_k", "actor/entropy")})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,5 +40,17 @@ def python_env() -> dict:
 
 PYTHON = sys.executable
 
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """The tests' one tiny-model factory: `tiny_hf("qwen3", tied=True, vocab_size=100, seed=1)` saves a
+    random HF model (megatron_dapo.tiny.save_tiny_model) into a fresh temporary folder and returns it."""
+    from megatron_dapo.tiny import save_tiny_model
+
+    def make(family: str = "qwen2", **kw) -> Path:
+        return save_tiny_model(tmp_path_factory.mktemp(family), family, **kw)
+
+    return make
+
 # SGLang fixtures (fake server executable, the real server's venv, tiny checkpoints) for every module.
 from sglang_support import fake_exe, fake_python, hf, models, sglang_python  # noqa: E402, F401

@@ -1,10 +1,5 @@
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import ablate  # noqa: E402
-
-from megatron_dapo.config import load_config  # noqa: E402
+from megatron_dapo import ablation as ablate
+from megatron_dapo.config import load_config
 
 
 def test_rows_are_cumulative_and_end_at_dapo():

@@ -13,14 +13,14 @@ import sys, torch
 sys.path.insert(0, "tests/workers")
 from actor_worker import fixed_batch, make_cfg
 from megatron_dapo import parallel
-from megatron_dapo.actor.actor import Actor, LossSettings
+from megatron_dapo.actor.actor import Actor
 hf_dir, out = sys.argv[1], sys.argv[2]
 cfg = make_cfg(1, 1)
 parallel.initialize(cfg.parallel, seed=7)
 res = {}
 for name, impl, dtype in [("local", "local", "float32"), ("te", "transformer_engine", "bfloat16")]:
     cfg.model.transformer_impl, cfg.model.dtype = impl, dtype
-    actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor, LossSettings())
+    actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor)
     b = fixed_batch()
     res[name] = actor.compute_logprobs(b)
     b.old_logprobs = res[name][0]

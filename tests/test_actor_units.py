@@ -9,26 +9,23 @@ import torch
 from megatron_dapo.actor.batching import micro_batches, pack_rows, split_rows
 from megatron_dapo.actor.model import UnsupportedModelError, spec_from_hf, validate_layout
 from megatron_dapo.parallel import launch_env
+from megatron_dapo.tiny import tiny_config
 from megatron_dapo.types import TrainBatch
 
 
 def qwen2(**kw):
-    from transformers import Qwen2Config
-
     base = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return Qwen2Config(**{**base, **kw})
+    return tiny_config("qwen2", **{**base, **kw})
 
 
 def test_spec_reads_qwen2_and_llama():
-    from transformers import LlamaConfig
-
     s = spec_from_hf(qwen2(rope_theta=1e6, rms_norm_eps=1e-5))
     assert (s.family, s.num_kv_heads, s.head_dim, s.qkv_bias, s.rope_theta, s.norm_eps) == \
         ("qwen2", 2, 16, True, 1e6, 1e-5)
     assert s.padded_vocab_size(tp=1) == 384 and s.padded_vocab_size(tp=4) == 512
-    llama = spec_from_hf(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                     num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=True))
+    llama = spec_from_hf(tiny_config("llama", tied=True, vocab_size=300, hidden_size=64, intermediate_size=96,
+                                     num_attention_heads=8, num_key_value_heads=8))
     assert (llama.family, llama.qkv_bias, llama.tied_embeddings, llama.head_dim) == ("llama", False, True, 8)
 
 

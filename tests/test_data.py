@@ -256,27 +256,9 @@ def test_iterator_epochs(prompts):
     assert _uids([next(ordered)]) == [[f"arithmetic/{i}" for i in range(5)]]
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_iterator_dp_sharding(prompts, world: int):
-    full = PromptIterator(prompts, 8, seed=3, drop_last=False)
-    ranks = [
-        PromptIterator(prompts, 8, seed=3, dp_rank=r, dp_world_size=world, drop_last=False)
-        for r in range(world)
-    ]
-    for _ in range(7):
-        shards = _uids(next(it) for it in ranks)
-        assert all(len(s) == 8 // world for s in shards)
-        assert _flat(shards) == _uids([next(full)])[0]
-        assert len(set(_flat(shards))) == 8
-
-
 def test_iterator_invalid(prompts):
-    with pytest.raises(ValueError, match="divisible"):
-        PromptIterator(prompts, 6, seed=0, dp_world_size=4)
     with pytest.raises(ValueError):
         PromptIterator(prompts, 0, seed=0)
-    with pytest.raises(ValueError):
-        PromptIterator(prompts, 4, seed=0, dp_rank=2, dp_world_size=2)
     with pytest.raises(ValueError):
         PromptIterator(prompts, 24, seed=0)
     with pytest.raises(ValueError):

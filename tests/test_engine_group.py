@@ -5,20 +5,19 @@ import threading
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_dapo.rollout import EmbeddedEngine, SamplingParams
 from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.rollout.engine_group import EngineGroup, EngineGroupError, split_evenly, split_weighted
+from megatron_dapo.tiny import tiny_model
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12], [13, 14, 15]]
 
 
-def qwen2(seed: int) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(**SMALL)).eval()
+def qwen2(seed: int):
+    return tiny_model("qwen2", seed=seed, **SMALL)
 
 
 @pytest.mark.parametrize("count, parts", [(6, 2), (7, 3), (2, 3), (0, 2), (5, 1)])

@@ -5,16 +5,9 @@ import time
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
 from megatron_dapo.rollout import EmbeddedEngine, EngineStateError, GenerationAborted, SamplingParams
+from megatron_dapo.tiny import tiny_model
 from megatron_dapo.types import Sample
 
 VOCAB = 128
@@ -23,9 +16,8 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
 
 
-def qwen2(seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(**SMALL)).eval()
+def qwen2(seed: int = 0):
+    return tiny_model("qwen2", seed=seed, **SMALL)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,7 +30,7 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def model() -> Qwen2ForCausalLM:
+def model():
     return qwen2()
 
 
@@ -238,9 +230,9 @@ def test_abort_drops_running_generate(model):
 def test_other_llama_family_models(family):
     torch.manual_seed(0)
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
+        model = tiny_model("llama", **SMALL)
     else:
-        model = Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=8)).eval()
+        model = tiny_model("qwen3", **SMALL, head_dim=8)
     engine = EmbeddedEngine(model, fast_path=True)
     sampling = SamplingParams(temperature=0.8, max_new_tokens=8, seed=0)
     for sample in flat(engine.generate(PROMPTS, 2, sampling)):

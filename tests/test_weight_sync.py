@@ -9,32 +9,21 @@ import pytest
 import torch
 
 from megatron_dapo.parallel import free_port
+from megatron_dapo.tiny import save_tiny_model
 
 WORKER = Path(__file__).parent / "workers" / "sync_worker.py"
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("hf")
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                 eos_token_id=199)).save_pretrained(d)
-    return d
+    return save_tiny_model(tmp_path_factory.mktemp("hf"), "qwen2", vocab_size=200, max_position_embeddings=128,
+                           eos_token_id=199)
 
 
 @pytest.fixture(scope="module")
 def tied_llama_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("llama")
-    LlamaForCausalLM(LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                 tie_word_embeddings=True, eos_token_id=199)).save_pretrained(d)
-    return d
+    return save_tiny_model(tmp_path_factory.mktemp("llama"), "llama", tied=True, vocab_size=200,
+                           max_position_embeddings=128, eos_token_id=199)
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])

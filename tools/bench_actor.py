@@ -50,7 +50,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from megatron_dapo import parallel
-    from megatron_dapo.actor.actor import Actor, LossSettings
+    from megatron_dapo.actor.actor import Actor
     from megatron_dapo.config import Config
     from megatron_dapo.types import TrainBatch
 
@@ -59,7 +59,7 @@ def worker(args: argparse.Namespace) -> None:
     cfg.model.dtype, cfg.actor.optimizer.warmup_steps = "float32", 0
     cfg.actor.micro_batch_tokens = args.rows * args.seq
     parallel.initialize(cfg.parallel, seed=0)
-    actor = Actor.from_hf(args.hf_dir, cfg.model, cfg.parallel, cfg.actor, LossSettings())
+    actor = Actor.from_hf(args.hf_dir, cfg.model, cfg.parallel, cfg.actor)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.rows, args.seq), generator=g)
     batch = TrainBatch(input_ids=ids, loss_mask=torch.ones(args.rows, args.seq), lengths=torch.full((args.rows,), args.seq),

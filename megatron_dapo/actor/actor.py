@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -19,21 +18,6 @@ from megatron_dapo.kernels import token_logprobs_and_entropy
 from megatron_dapo.types import TrainBatch
 
 
-@dataclass(frozen=True)
-class LossSettings:
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    agg_mode: str = "token-mean"
-    entropy_coef: float = 0.0
-    temperature: float = 1.0
-    """The rollout's sampling temperature: pi_old and pi_theta use logits / temperature, as the engine."""
-
-    @classmethod
-    def from_algo(cls, algo: AlgoConfig, temperature: float = 1.0) -> LossSettings:
-        return cls(algo.eps_low, algo.eps_high, algo.loss_agg_mode, algo.entropy_coef,
-                   temperature if temperature > 0 else 1.0)
-
-
 def _finalize_grads_unscaled(model, num_tokens=None, *args, **kwargs):
     """Megatron's grad finalisation (DP all-reduce, tied embeddings) without dividing by tokens."""
     from megatron.core.distributed import finalize_model_grads
@@ -44,9 +28,14 @@ def _finalize_grads_unscaled(model, num_tokens=None, *args, **kwargs):
 class Actor:
     """One rank's shard of the policy; every rank of a TP/PP/DP layout builds one."""
 
-    def __init__(self, spec: ModelSpec, model_cfg: ModelConfig, par_cfg: ParallelConfig,
-                 actor_cfg: ActorConfig, loss: LossSettings, *, init_weights: bool = True):
-        self.spec, self.cfg, self.loss = spec, actor_cfg, loss
+    def __init__(self, spec: ModelSpec, model_cfg: ModelConfig, par_cfg: ParallelConfig, actor_cfg: ActorConfig,
+                 algo: AlgoConfig | None = None, *, temperature: float = 1.0, init_weights: bool = True):
+        """`algo`: the loss settings (clip range, aggregation, entropy bonus; default the paper's).
+        `temperature`: the rollout's sampling temperature; pi_old and pi_theta use logits / temperature,
+        as the engine does (0 = greedy rollouts: plain logits)."""
+        self.spec, self.cfg = spec, actor_cfg
+        self.algo = algo if algo is not None else AlgoConfig()
+        self.temperature = temperature if temperature > 0 else 1.0
         model = build_model(spec, model_cfg, par_cfg, init_weights=init_weights)
         model.config.finalize_model_grads_func = _finalize_grads_unscaled
         self.ddp = wrap_ddp(model, distributed_optimizer=actor_cfg.optimizer.distributed_optimizer)
@@ -58,13 +47,13 @@ class Actor:
 
     @classmethod
     def from_hf(cls, hf_dir: str, model_cfg: ModelConfig, par_cfg: ParallelConfig, actor_cfg: ActorConfig,
-                loss: LossSettings) -> Actor:
+                algo: AlgoConfig | None = None, *, temperature: float = 1.0) -> Actor:
         """Build the actor for this rank and load its shard of the HF checkpoint in `hf_dir`."""
         from megatron_dapo.actor.hf_io import SafetensorsReader, load_hf_weights
         from megatron_dapo.actor.model import load_hf_config, spec_from_hf
 
         spec = spec_from_hf(load_hf_config(hf_dir))
-        actor = cls(spec, model_cfg, par_cfg, actor_cfg, loss, init_weights=False)
+        actor = cls(spec, model_cfg, par_cfg, actor_cfg, algo, temperature=temperature, init_weights=False)
         load_hf_weights(actor.module, SafetensorsReader(hf_dir), spec)
         return actor
 
@@ -81,8 +70,8 @@ class Actor:
         v_local = logits.shape[-1]
         start = parallel.tp_rank() * v_local
         valid = max(0, min(v_local, self.spec.vocab_size - start))  # drop Megatron's vocab padding
-        if self.loss.temperature != 1.0:
-            logits = logits / self.loss.temperature
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
         lp, ent = token_logprobs_and_entropy(
             logits[:, :-1, :valid], input_ids[:, 1:], tp_group=parallel.tp_group() if parallel.tp_size() > 1 else None,
             vocab_start=start, compute_entropy=entropy)
@@ -153,12 +142,12 @@ class Actor:
             lp, ent = self._token_stats(logits.float(), mb.input_ids.to(dev), entropy=True)
             mask = mb.loss_mask.to(dev)
             loss, m = policy_loss(lp, mb.old_logprobs.to(dev), mb.advantages.to(dev), mask,
-                                  eps_low=self.loss.eps_low, eps_high=self.loss.eps_high,
-                                  agg_mode=self.loss.agg_mode, global_num_tokens=global_tokens,
+                                  eps_low=self.algo.eps_low, eps_high=self.algo.eps_high,
+                                  agg_mode=self.algo.loss_agg_mode, global_num_tokens=global_tokens,
                                   global_num_seqs=global_seqs)
             ent_sum = (ent * mask).sum()
-            if self.loss.entropy_coef:
-                loss = loss - self.loss.entropy_coef * ent_sum / max(global_tokens, 1.0)
+            if self.algo.entropy_coef:
+                loss = loss - self.algo.entropy_coef * ent_sum / max(global_tokens, 1.0)
             n = float(m.num_tokens)
             stats.add_(torch.tensor([float(loss.detach()), n, float(m.clipfrac_high) * n,
                                      float(m.clipfrac_low) * n, float(ent_sum.detach()), float(m.approx_kl) * n],

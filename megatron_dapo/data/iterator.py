@@ -1,4 +1,4 @@
-"""Endless, seeded, data-parallel-sharded and resumable iteration over prompt batches."""
+"""Endless, seeded and resumable iteration over prompt batches (the driver rank reads them all)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,10 @@ _STATE_KEYS = ("epoch", "position", "seed", "num_prompts")
 
 
 class PromptIterator:
-    """Yields this data-parallel rank's share of each global prompt batch, forever, across epochs.
+    """Yields batches of prompts forever, across epochs.
 
     Epoch e visits the prompts in the order `torch.randperm(n, generator=manual_seed(seed + e))`
-    (or file order with `shuffle=False`). Each global batch is the next `batch_size` prompts of that
-    order; rank r gets the contiguous slice `[r * b, (r + 1) * b)` with `b = batch_size // dp_world_size`,
-    so the ranks' slices are disjoint and together form the global batch.
+    (or file order with `shuffle=False`). Each batch is the next `batch_size` prompts of that order.
 
     With `drop_last=True` the `n % batch_size` prompts left at the end of an epoch are not used in that
     epoch. With `drop_last=False` the last batch is completed with the first prompts of the same epoch's
@@ -38,8 +36,6 @@ class PromptIterator:
         batch_size: int,
         *,
         seed: int,
-        dp_rank: int = 0,
-        dp_world_size: int = 1,
         shuffle: bool = True,
         drop_last: bool = True,
     ):
@@ -47,12 +43,6 @@ class PromptIterator:
             raise ValueError("PromptIterator needs at least one prompt")
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
-        if dp_world_size <= 0 or not 0 <= dp_rank < dp_world_size:
-            raise ValueError(
-                f"need 0 <= dp_rank < dp_world_size, got dp_rank={dp_rank}, dp_world_size={dp_world_size}"
-            )
-        if batch_size % dp_world_size != 0:
-            raise ValueError(f"batch_size {batch_size} is not divisible by dp_world_size {dp_world_size}")
         if drop_last and batch_size > len(prompts):
             raise ValueError(
                 f"batch_size {batch_size} exceeds the {len(prompts)} prompts with drop_last=True: "
@@ -61,8 +51,6 @@ class PromptIterator:
         self.prompts = list(prompts)
         self.batch_size = batch_size
         self.seed = int(seed)
-        self.dp_rank = dp_rank
-        self.dp_world_size = dp_world_size
         self.shuffle = shuffle
         self.drop_last = drop_last
         self._epoch = 0
@@ -74,11 +62,6 @@ class PromptIterator:
     def epoch(self) -> int:
         """The epoch the next batch comes from."""
         return self._epoch
-
-    @property
-    def local_batch_size(self) -> int:
-        """Prompts per batch on this rank: batch_size // dp_world_size."""
-        return self.batch_size // self.dp_world_size
 
     @property
     def batches_per_epoch(self) -> int:
@@ -107,12 +90,11 @@ class PromptIterator:
             self._position = 0
 
     def next_batch(self) -> list[Prompt]:
-        """This rank's slice of the next global batch."""
+        """The next batch."""
         self._advance_epoch_if_done()
         order = self._epoch_order()
         n = len(order)
-        start = self._position + self.dp_rank * self.local_batch_size
-        batch = [self.prompts[order[(start + j) % n]] for j in range(self.local_batch_size)]
+        batch = [self.prompts[order[(self._position + j) % n]] for j in range(self.batch_size)]
         self._position += self.batch_size
         self._advance_epoch_if_done()
         return batch

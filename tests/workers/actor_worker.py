@@ -9,7 +9,7 @@ import sys
 import torch
 
 from megatron_dapo import parallel
-from megatron_dapo.actor.actor import Actor, LossSettings
+from megatron_dapo.actor.actor import Actor
 from megatron_dapo.actor.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_dapo.actor.hf_io import export_hf_weights
 from megatron_dapo.config import Config
@@ -54,7 +54,7 @@ def main() -> None:
     case, hf_dir, out, tp, pp = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     cfg = make_cfg(tp, pp)
     parallel.initialize(cfg.parallel, seed=7)
-    actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor, LossSettings())
+    actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor)
     result: dict = {"rank": parallel.global_rank(), "dp_rank": parallel.dp_rank(), "tp_rank": parallel.tp_rank()}
     batch = fixed_batch()
     # pi_old != pi_theta so that both clip bounds are exercised (a fixed pattern over the FULL batch)

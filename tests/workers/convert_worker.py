@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from megatron_dapo import parallel
-from megatron_dapo.actor.actor import Actor, LossSettings
+from megatron_dapo.actor.actor import Actor
 from megatron_dapo.actor.checkpoint import load_checkpoint, save_checkpoint
 from megatron_dapo.actor.convert_checks import HF_SUBDIR
 from megatron_dapo.actor.convert_verify import megatron_logits, verify_tokens
@@ -30,7 +30,7 @@ def main() -> None:
     cfg.model.dtype = "float32"
     parallel.initialize(cfg.parallel, seed=3)
     spec = spec_from_hf(load_hf_config(ckpt / HF_SUBDIR))
-    actor = Actor(spec, cfg.model, cfg.parallel, cfg.actor, LossSettings())  # random init, then overwritten
+    actor = Actor(spec, cfg.model, cfg.parallel, cfg.actor)  # random init, then overwritten
     load_checkpoint(actor, ckpt, load_optimizer=False)
     logits = megatron_logits(actor.module, verify_tokens(spec), spec.vocab_size)
     torch.save({"logits": logits, "padded_vocab": spec.padded_vocab_size(tp)},

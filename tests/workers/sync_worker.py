@@ -10,10 +10,10 @@ import torch
 from actor_worker import fixed_batch, make_cfg
 
 from megatron_dapo import parallel
-from megatron_dapo.actor.actor import Actor, LossSettings
+from megatron_dapo.actor.actor import Actor
 from megatron_dapo.algo.train_batch import build_train_batch
 from megatron_dapo.rollout.base import SamplingParams
-from megatron_dapo.rollout.weight_sync import sync_weights
+from megatron_dapo.loop.phases import sync_weights
 from megatron_dapo.types import Group, Prompt
 
 
@@ -21,7 +21,7 @@ def main() -> None:
     hf_dir, out, tp, pp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     cfg = make_cfg(tp, pp)
     parallel.initialize(cfg.parallel, seed=7)
-    actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor, LossSettings())
+    actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor)
     batch = fixed_batch()
     batch.old_logprobs = actor.compute_logprobs(batch)[0]
     actor.train_step(batch)  # the actor's weights now differ from hf_dir's

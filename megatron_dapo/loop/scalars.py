@@ -1,0 +1,58 @@
+"""The step's monitors (the paper's §4.3 dashboard) as pure functions of what the step produced."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_dapo.loop.collect import StepRollout
+from megatron_dapo.types import TrainBatch
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def rollout_scalars(rollout: StepRollout, *, samples_total: int, groups_trained: int) -> dict[str, float]:
+    """Reward, accuracy, lengths and dynamic-sampling figures over everything generated this step."""
+    samples = [s for g in rollout.generated for s in g.samples]
+    lengths = [s.response_len for s in samples]
+    return {"rollout/samples_total": float(samples_total),
+            "train/reward_mean": _mean([s.reward for s in samples]),
+            "train/acc_mean": _mean([float(s.acc) for s in samples]),
+            "response_length/mean": _mean(lengths), "response_length/max": float(max(lengths, default=0)),
+            "response_length/clip_ratio": _mean([float(s.truncated) for s in samples]),
+            "rollout/gen_rounds": float(rollout.stats.rounds),
+            "rollout/kept_group_frac": rollout.stats.kept_frac,
+            "rollout/groups_trained": float(groups_trained),
+            "rollout/exhausted": float(rollout.stats.exhausted)}
+
+
+def token_sums(batch: TrainBatch, entropy: torch.Tensor) -> torch.Tensor:
+    """[entropy, generation prob, |pi_old - pi_rollout|, tokens] summed over generated tokens (float64):
+    the numerators of the token-mean monitors, to be summed over data-parallel ranks."""
+    gen = batch.response_mask
+    return torch.tensor([float((entropy * gen).sum()), float((batch.rollout_logprobs.exp() * gen).sum()),
+                         float(((batch.old_logprobs - batch.rollout_logprobs).abs() * gen).sum()),
+                         float(gen.sum())], dtype=torch.float64)
+
+
+def update_scalars(update: dict[str, float], sums: torch.Tensor) -> dict[str, float]:
+    """The actor's update statistics plus the token means of `token_sums` (already summed over DP)."""
+    ent, prob, diff, n = sums.tolist()
+    n = max(n, 1.0)
+    return {"actor/pg_loss": update["loss"], "actor/clipfrac_high": update["clipfrac_high"],
+            "actor/clipfrac_low": update["clipfrac_low"], "actor/grad_norm": update["grad_norm"],
+            "actor/lr": update["lr"], "actor/approx_kl": update["approx_kl"],
+            "actor/nonfinite": update["nonfinite"], "actor/entropy": ent / n, "actor/mean_token_prob": prob / n,
+            "rollout/train_rollout_logprob_absdiff": diff / n}
+
+
+def step_timings(phase_seconds: dict[str, float], step_seconds: float, tokens: int,
+                 weight_sync_bytes: int | None) -> dict[str, float]:
+    """timing/<phase>_s per phase, the step's wall time, trained tokens per second, weight-sync bytes."""
+    out = {f"timing/{k}_s": v for k, v in phase_seconds.items()}
+    if weight_sync_bytes is not None:
+        out["perf/weight_sync_bytes"] = float(weight_sync_bytes)
+    out["timing/step_s"] = step_seconds
+    out["perf/tokens_per_s"] = tokens / step_seconds if step_seconds > 0 else 0.0
+    return out

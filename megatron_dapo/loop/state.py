@@ -1,0 +1,191 @@
+"""What a DAPO run holds between steps, and its life cycle: build (processes, actor, engine, data,
+metrics), resume, save, finish. Rank 0 is the rollout driver; every rank trains its actor shard."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_dapo import parallel
+from megatron_dapo.actor.actor import Actor
+from megatron_dapo.actor.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_dapo.config import Config, to_dict
+from megatron_dapo.data import PromptIterator, load_prompts
+from megatron_dapo.loop.phases import Phases
+from megatron_dapo.metrics import Alarms, MetricsWriter, PhaseTimer
+from megatron_dapo.rollout.base import RolloutEngine
+from megatron_dapo.types import Prompt
+
+log = logging.getLogger(__name__)
+
+
+class SetupError(RuntimeError):
+    """A run cannot start (missing model, empty dataset): reported without a traceback."""
+
+
+@dataclass
+class RunState:
+    cfg: Config
+    actor: Actor
+    tokenizer: Any
+    engine: RolloutEngine | None
+    """The rollout engine over every server of the job: global rank 0 (the driver) only."""
+    phases: Phases
+    prompts: PromptIterator | None
+    val_prompts: list[Prompt]
+    writer: MetricsWriter
+    alarms: Alarms
+    ckpt_root: Path
+    hf_dir: str
+    start_step: int = 0
+    samples_generated: int = 0
+    servers: list[Any] = field(default_factory=list)
+    """SGLang: servers this rank started for rank 0 to drive (a node leader's); finish() stops them."""
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+
+    @property
+    def is_driver(self) -> bool:
+        return parallel.is_main()
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        eos = self.tokenizer.eos_token_id
+        return () if eos is None else (int(eos),)
+
+    @property
+    def num_mini_batches(self) -> int:
+        return self.cfg.train.prompt_batch_size // self.cfg.train.mini_batch_size
+
+    def next_prompts(self, k: int) -> list[Prompt]:
+        return [p for _ in range(k) for p in self.prompts.next_batch()]
+
+    # --- schedule -----------------------------------------------------------------------------------
+
+    def budget_spent(self) -> bool:
+        budget = self.cfg.train.rollout_budget
+        return budget > 0 and self.samples_generated >= budget
+
+    def wants_eval(self, step: int) -> bool:
+        every = self.cfg.eval.every_steps
+        return bool(self.val_prompts) and every > 0 and (step % every == 0 or step == self.cfg.train.steps)
+
+    def wants_checkpoint(self, step: int) -> bool:
+        every = self.cfg.checkpoint.save_every
+        return (every > 0 and step % every == 0) or step == self.cfg.train.steps
+
+    # --- checkpoints and the end ----------------------------------------------------------------------
+
+    def save(self, step: int) -> None:
+        state = {"data": self.prompts.state_dict() if self.prompts else None, "alarms": self.alarms.state_dict(),
+                 "samples_generated": self.samples_generated, "config": to_dict(self.cfg)}
+        save_checkpoint(self.actor, self.ckpt_root, step, trainer_state=state, keep_last=self.cfg.checkpoint.keep_last,
+                        hf_dir=self.hf_dir)
+
+    def resume(self) -> None:
+        """Continue from checkpoint.resume (auto: the newest complete checkpoint of this run, if any)."""
+        resume = self.cfg.checkpoint.resume
+        path = latest_checkpoint(self.ckpt_root) if resume == "auto" else None if resume == "none" else Path(resume)
+        if path is None:
+            return
+        extra = load_checkpoint(self.actor, path)
+        trainer = extra.get("trainer", {})
+        if self.prompts is not None and trainer.get("data"):
+            self.prompts.load_state_dict(trainer["data"])
+        self.alarms.load_state_dict(trainer.get("alarms", {}))
+        self.samples_generated = int(trainer.get("samples_generated", 0))
+        self.start_step = int(extra["step"])
+        self.writer.load_history(self.start_step)
+        if self.is_driver:
+            log.info("resumed from %s (step %d)", path, self.start_step)
+
+    def finish(self) -> None:
+        if self.cfg.checkpoint.export_hf:
+            from megatron_dapo.actor.hf_io import save_hf_checkpoint
+
+            out = save_hf_checkpoint(self.actor.module, self.actor.spec, self.ckpt_root / "hf_final", self.hf_dir)
+            if self.is_driver:
+                log.info("exported the final policy in Hugging Face format to %s", out)
+        png = self.writer.summary_png()
+        if png is not None:
+            log.info("dynamics summary: %s", png)
+        self.writer.close()
+        if self.engine is not None:
+            self.engine.shutdown()
+        for server in self.servers:
+            server.shutdown()
+
+
+def build_run(cfg: Config) -> RunState:
+    """Initialise processes, actor, engine, data and metrics; resume if a checkpoint is found."""
+    from transformers import AutoTokenizer
+
+    parallel.initialize(cfg.parallel, seed=cfg.train.seed)
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+    hf_dir = cfg.model.hf_dir
+    if not hf_dir or not (Path(hf_dir) / "config.json").is_file():
+        raise SetupError(f"model.hf_dir={hf_dir!r} has no config.json (for the tiny CPU run, build it with "
+                         "`python tools/make_tiny_base.py --out checkpoints/tiny_base`)")
+    actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature)
+    if cfg.model.load:
+        load_checkpoint(actor, cfg.model.load, load_optimizer=False, load_rng=False)
+    driver = parallel.is_main()
+    servers = _start_sglang(cfg, hf_dir) if cfg.rollout.engine == "sglang" else None
+    engine = servers.engine if servers is not None else _embedded_engine(hf_dir) if driver else None
+    run = RunState(
+        cfg=cfg, actor=actor, tokenizer=AutoTokenizer.from_pretrained(hf_dir), engine=engine,
+        phases=Phases(actor, engine, cfg.rollout.colocate),
+        prompts=_train_prompts(cfg) if driver else None,
+        val_prompts=_val_prompts(cfg) if driver else [],
+        writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver),
+        alarms=Alarms(cfg.logging, cfg.rollout.max_response_len),
+        ckpt_root=Path(cfg.checkpoint.dir) / cfg.logging.run_name, hf_dir=hf_dir,
+        servers=servers.owned if servers is not None else [])
+    run.resume()
+    if run.start_step > 0 or cfg.model.load:
+        run.phases.sync()  # the engine started from hf_dir; give it the trained weights
+    return run
+
+
+def _start_sglang(cfg: Config, hf_dir: str):
+    """Every rank: node leaders start SGLang servers; global rank 0 gets the engine over all of them."""
+    from megatron_dapo.actor.model import param_dtype
+    from megatron_dapo.rollout.sglang_launch import start_job_servers
+
+    # the actor's dtype, not SGLang's "auto" (which serves a float32 checkpoint in float16)
+    dtype = str(param_dtype(cfg.model)).removeprefix("torch.")
+    return start_job_servers(hf_dir, cfg.rollout.sglang, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+                             dtype=dtype)
+
+
+def _embedded_engine(hf_dir: str) -> RolloutEngine:
+    from megatron_dapo.rollout.embedded import EmbeddedEngine
+
+    return EmbeddedEngine(hf_dir)
+
+
+def _load(path: str, **kw: Any):
+    try:
+        return load_prompts(path, **kw)
+    except (FileNotFoundError, ValueError) as e:
+        raise SetupError(str(e)) from e
+
+
+def _train_prompts(cfg: Config) -> PromptIterator:
+    loaded = _load(cfg.data.train_path, max_prompt_chars=cfg.data.max_prompt_chars)
+    log.info("training prompts: %s", loaded.summary())
+    if not loaded.prompts:
+        raise SetupError(f"data.train_path={cfg.data.train_path!r}: no usable prompt ({loaded.summary()})")
+    return PromptIterator(loaded.prompts, batch_size=1, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+
+
+def _val_prompts(cfg: Config) -> list[Prompt]:
+    if not cfg.data.val_path:
+        return []
+    loaded = _load(cfg.data.val_path, max_prompt_chars=cfg.data.max_prompt_chars, limit=cfg.eval.max_prompts)
+    log.info("validation prompts: %s", loaded.summary())
+    return loaded.prompts

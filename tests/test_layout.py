@@ -1,0 +1,105 @@
+"""The package's shape (DESIGN.md "Layout"): layering, no import circles, file sizes, no path hacks.
+
+Imports are read with `ast` (every import statement, also inside functions), so a lazy import that
+breaks the layering is caught as well.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "megatron_dapo"
+LOWER = ("megatron_dapo.data", "megatron_dapo.reward", "megatron_dapo.algo", "megatron_dapo.types",
+         "megatron_dapo.config")
+UPPER = ("megatron_dapo.actor", "megatron_dapo.rollout", "megatron_dapo.loop")
+MAX_PACKAGE_LINES = 400
+MAX_TOOL_LINES = 250
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Absolute names of every megatron_dapo module `path` imports (relative imports resolved)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    here = module_name(path).split(".")
+    is_pkg = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here if is_pkg else here[:-1]
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return {n for n in found if n.startswith("megatron_dapo")}
+
+
+def package_files() -> list[Path]:
+    return sorted(p for p in PKG.rglob("*.py") if "cpu_shims" not in p.parts)
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_lower_layers_import_no_upper_layer():
+    bad = []
+    for path in package_files():
+        mod = module_name(path)
+        upper = UPPER if _under(mod, LOWER) else ("megatron_dapo.actor", "megatron_dapo.loop") \
+            if _under(mod, ("megatron_dapo.rollout",)) else ()
+        bad += [f"{mod} imports {name}" for name in imports_of(path) if _under(name, upper)]
+    assert not bad, "layering broken:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle_between_modules():
+    """Module-level import graph of the package has no cycle (a -> b -> ... -> a)."""
+    modules = {module_name(p): p for p in package_files()}
+    graph = {m: {n for n in imports_of(p) if n in modules and n != m} for m, p in modules.items()}
+    graph = {m: {n for n in deps if not modules[m].name == "__init__.py" or not n.startswith(m + ".")}
+             for m, deps in graph.items()}
+    for m in graph:  # a package's __init__ re-exporting its children is not a cycle
+        if modules[m].name == "__init__.py":
+            graph[m] = set()
+    visiting, done, cycles = set(), set(), []
+
+    def visit(m: str, trail: list[str]) -> None:
+        if m in done:
+            return
+        if m in visiting:
+            cycles.append(" -> ".join(trail[trail.index(m):] + [m]))
+            return
+        visiting.add(m)
+        for n in sorted(graph[m]):
+            visit(n, trail + [m])
+        visiting.discard(m)
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m, [])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+@pytest.mark.parametrize("folder, limit", [("megatron_dapo", MAX_PACKAGE_LINES), ("tools", MAX_TOOL_LINES)])
+def test_files_stay_short(folder, limit):
+    long = [f"{p.relative_to(REPO)}: {n} lines" for p in sorted((REPO / folder).rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > limit]
+    assert not long, f"files over {limit} lines:\n" + "\n".join(long)
+
+
+def test_no_sys_path_hacks():
+    hits = [f"{p.relative_to(REPO)}:{i}" for folder in ("tests", "tools", "examples")
+            for p in sorted((REPO / folder).rglob("*")) if p.suffix in (".py", ".sh") and p != Path(__file__)
+            for i, line in enumerate(p.read_text().splitlines(), 1) if "sys.path.insert" in line]
+    assert not hits, "sys.path.insert found:\n" + "\n".join(hits)
