@@ -164,6 +164,13 @@ def dp_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def dp_max(t: torch.Tensor) -> torch.Tensor:
+    """Element-wise max of `t` over the data-parallel ranks, in place; returns it."""
+    if dist.is_initialized() and dp_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group())
+    return t
+
+
 def is_first_stage() -> bool:
     return _ps().is_pipeline_first_stage()
 

@@ -17,6 +17,7 @@ from megatron_dapo.cli import quiet_third_party
 from megatron_dapo.config import Config, ConfigError, build_parser, load_config, to_yaml, validate
 from megatron_dapo.loop import distribute, scalars
 from megatron_dapo.loop.collect import StepRollout, collect_step, evaluate, step_sampling
+from megatron_dapo.loop.old_policy import apply_rollout_correction, old_logprobs
 from megatron_dapo.loop.state import RunState, SetupError, build_run
 from megatron_dapo.metrics import progress
 
@@ -68,7 +69,8 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
                                    pad_id=run.tokenizer.pad_token_id or 0)
     run.phases.train()
     with timer("old_logprob"):
-        batch.old_logprobs, entropy = run.actor.compute_logprobs(batch)
+        batch.old_logprobs, entropy = old_logprobs(run.actor, batch, cfg.algo)
+    out.update(apply_rollout_correction(batch, cfg.algo))
     with timer("update"):
         update = run.actor.train_step(batch, num_mini_batches=run.num_mini_batches, epochs=cfg.algo.epochs_per_rollout)
     with timer("weight_sync"):

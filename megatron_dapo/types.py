@@ -88,6 +88,8 @@ class TrainBatch:
     """[B] int64: which group (prompt) each row came from."""
     response_mask: torch.Tensor | None = None
     """[B, S] float: 1 on every generated token, truncated responses included (for monitors)."""
+    is_weights: torch.Tensor | None = None
+    """[B, S] float: rollout-correction importance weights multiplying the loss terms (None = all 1)."""
 
     @property
     def num_tokens(self) -> int:

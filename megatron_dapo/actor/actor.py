@@ -12,9 +12,8 @@ from megatron_dapo import megatron_cpu, parallel
 from megatron_dapo.actor.batching import MicroBatch, micro_batches, split_rows
 from megatron_dapo.actor.model import ModelSpec, build_model, param_dtype
 from megatron_dapo.actor.optimizer import build_optimizer, build_scheduler, current_lr, wrap_ddp
-from megatron_dapo.algo.loss import policy_loss
 from megatron_dapo.config import ActorConfig, AlgoConfig, ModelConfig, ParallelConfig
-from megatron_dapo.kernels import token_logprobs_and_entropy
+from megatron_dapo.kernels import loss_from_logprobs, token_logprobs_and_entropy
 from megatron_dapo.types import TrainBatch
 
 
@@ -135,22 +134,21 @@ class Actor:
         if dist.is_initialized() and parallel.dp_size() > 1:
             dist.all_reduce(counts, group=parallel.dp_group())
         global_tokens, global_seqs = counts.tolist()
-        stats = torch.zeros(6, dtype=torch.float64)  # loss, tokens, clip_hi, clip_lo, entropy, kl (token sums)
+        stats = torch.zeros(7, dtype=torch.float64)  # token sums: loss, tokens, clip hi/lo/dual, entropy, kl
+        algo = self.algo
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             dev = logits.device
             lp, ent = self._token_stats(logits.float(), mb.input_ids.to(dev), entropy=True)
-            mask = mb.loss_mask.to(dev)
-            loss, m = policy_loss(lp, mb.old_logprobs.to(dev), mb.advantages.to(dev), mask,
-                                  eps_low=self.algo.eps_low, eps_high=self.algo.eps_high,
-                                  agg_mode=self.algo.loss_agg_mode, global_num_tokens=global_tokens,
-                                  global_num_seqs=global_seqs)
-            ent_sum = (ent * mask).sum()
-            if self.algo.entropy_coef:
-                loss = loss - self.algo.entropy_coef * ent_sum / max(global_tokens, 1.0)
+            is_weights = None if mb.is_weights is None else mb.is_weights.to(dev)
+            loss, m = loss_from_logprobs(
+                lp, ent, mb.old_logprobs.to(dev), mb.advantages.to(dev), mb.loss_mask.to(dev),
+                eps_low=algo.eps_low, eps_high=algo.eps_high, agg_mode=algo.loss_agg_mode,
+                global_num_tokens=global_tokens, global_num_seqs=global_seqs, entropy_coef=algo.entropy_coef,
+                clip_ratio_c=algo.clip_ratio_c, is_weights=is_weights, impl="auto")
             n = float(m.num_tokens)
-            stats.add_(torch.tensor([float(loss.detach()), n, float(m.clipfrac_high) * n,
-                                     float(m.clipfrac_low) * n, float(ent_sum.detach()), float(m.approx_kl) * n],
+            stats.add_(torch.tensor([float(loss.detach()), n, float(m.clipfrac_high) * n, float(m.clipfrac_low) * n,
+                                     float(m.clipfrac_dual) * n, float(m.entropy) * n, float(m.approx_kl) * n],
                                     dtype=torch.float64))
             return loss, torch.tensor(int(n), dtype=torch.int), {}
 
@@ -179,10 +177,11 @@ class Actor:
                 stats[:-1].zero_()  # loss terms live on the last pipeline stage
             dist.all_reduce(stats)
             stats[:-1] /= parallel.tp_size()  # every TP rank of the last stage holds the same sums
-        loss, tokens, hi, lo, ent, kl, bad_grads = stats.tolist()
+        loss, tokens, hi, lo, dual, ent, kl, bad_grads = stats.tolist()
         t = max(tokens, 1.0)
         nonfinite = bad_grads > 0 or not all(map(torch.isfinite, stats[:-1]))
         return {"loss": loss, "tokens": tokens, "clipfrac_high": hi / t, "clipfrac_low": lo / t,
+                "clipfrac_dual": dual / t,
                 "entropy": ent / t, "approx_kl": kl / t, "lr": current_lr(self.optimizer),
                 "nonfinite": float(nonfinite)}
 

@@ -19,6 +19,7 @@ class MicroBatch:
     loss_mask: torch.Tensor
     advantages: torch.Tensor
     old_logprobs: torch.Tensor | None
+    is_weights: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -56,7 +57,8 @@ def micro_batches(batch: TrainBatch, token_budget: int) -> list[MicroBatch]:
             rows=idx, input_ids=ids,
             position_ids=torch.arange(width).unsqueeze(0).expand(len(rows), -1),
             loss_mask=batch.loss_mask[idx, :width], advantages=batch.advantages[idx],
-            old_logprobs=None if batch.old_logprobs is None else batch.old_logprobs[idx, :width]))
+            old_logprobs=None if batch.old_logprobs is None else batch.old_logprobs[idx, :width],
+            is_weights=None if batch.is_weights is None else batch.is_weights[idx, :width]))
     return out
 
 
@@ -76,4 +78,5 @@ def select_rows(batch: TrainBatch, idx: torch.Tensor) -> TrainBatch:
     return TrainBatch(input_ids=batch.input_ids[idx], loss_mask=batch.loss_mask[idx],
                       advantages=batch.advantages[idx], lengths=batch.lengths[idx],
                       old_logprobs=pick(batch.old_logprobs), rollout_logprobs=pick(batch.rollout_logprobs),
-                      prompt_index=pick(batch.prompt_index), response_mask=pick(batch.response_mask))
+                      prompt_index=pick(batch.prompt_index), response_mask=pick(batch.response_mask),
+                      is_weights=pick(batch.is_weights))

@@ -24,15 +24,14 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import get_args
 
+from megatron_dapo.config.schema import FilterMetric, OnExhausted
 from megatron_dapo.types import Group
 
 logger = logging.getLogger(__name__)
 
-OnExhausted = Literal["error", "train_partial"]
-_ON_EXHAUSTED = ("error", "train_partial")
-FilterMetric = Literal["acc", "score"]
+_ON_EXHAUSTED: tuple[str, ...] = get_args(OnExhausted)
 FILTER_METRICS: tuple[str, ...] = get_args(FilterMetric)
 
 

@@ -18,11 +18,12 @@ Options beyond the paper's eq. 10 (both off by default):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 
-AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+from megatron_dapo.config.schema import LossAggMode as AggMode
+
 AGG_MODES: tuple[str, ...] = get_args(AggMode)
 
 Count = int | float | torch.Tensor

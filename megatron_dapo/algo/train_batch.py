@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_dapo.algo.advantages import group_advantages
+from megatron_dapo.reward.overlong import overlong_filter_mask
 from megatron_dapo.types import Group, TrainBatch
 
 
@@ -22,13 +23,13 @@ def build_train_batch(groups: list[Group], *, overlong_filtering: bool, pad_id: 
     mask = torch.zeros(len(samples), width)
     rollout_lp = torch.zeros(len(samples), width)
     generated = torch.zeros(len(samples), width)
+    keep = overlong_filter_mask([s.truncated for s in samples]) if overlong_filtering else [1.0] * len(samples)
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), s.response_len
         ids[i, :p + r] = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
         rollout_lp[i, p:p + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
         generated[i, p:p + r] = 1.0
-        if not (overlong_filtering and s.truncated):
-            mask[i, p:p + r] = 1.0
+        mask[i, p:p + r] = keep[i]
     prompt_index = torch.arange(len(groups)).repeat_interleave(torch.tensor([len(g.samples) for g in groups]))
     return TrainBatch(input_ids=ids, loss_mask=mask, advantages=advantages, lengths=lengths,
                       rollout_logprobs=rollout_lp, prompt_index=prompt_index, response_mask=generated)

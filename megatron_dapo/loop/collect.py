@@ -72,7 +72,8 @@ def collect_step(engine: RolloutEngine, tokenizer, next_prompts: Callable[[int],
                  target_groups: int, algo: AlgoConfig, reward: RewardConfig, max_response_len: int,
                  sampling: Callable[[int], SamplingParams]) -> StepRollout:
     """Rounds of generate + score until the sampler is done; `sampling(round)` seeds each round."""
-    sampler = DynamicSampler(target_groups, algo.max_gen_rounds, algo.on_rounds_exhausted, algo.dynamic_sampling)
+    sampler = DynamicSampler(target_groups, algo.max_gen_rounds, algo.on_rounds_exhausted, algo.dynamic_sampling,
+                             metric=algo.filter_metric)
     first = math.ceil(target_groups * algo.gen_batch_multiplier)
     generated: list[Group] = []
     round_idx, reward_seconds = 0, 0.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron_dapo.loop.collect import StepRollout
@@ -27,11 +29,13 @@ def rollout_scalars(rollout: StepRollout, *, samples_total: int, groups_trained:
             "rollout/exhausted": float(rollout.stats.exhausted)}
 
 
-def token_sums(batch: TrainBatch, entropy: torch.Tensor) -> torch.Tensor:
+def token_sums(batch: TrainBatch, entropy: torch.Tensor | None) -> torch.Tensor:
     """[entropy, generation prob, |pi_old - pi_rollout|, tokens] summed over generated tokens (float64):
-    the numerators of the token-mean monitors, to be summed over data-parallel ranks."""
+    the numerators of the token-mean monitors, to be summed over data-parallel ranks. Without an
+    entropy (no pi_old pass ran) its sum is NaN and `update_scalars` takes the update's entropy."""
     gen = batch.response_mask
-    return torch.tensor([float((entropy * gen).sum()), float((batch.rollout_logprobs.exp() * gen).sum()),
+    ent = float("nan") if entropy is None else float((entropy * gen).sum())
+    return torch.tensor([ent, float((batch.rollout_logprobs.exp() * gen).sum()),
                          float(((batch.old_logprobs - batch.rollout_logprobs).abs() * gen).sum()),
                          float(gen.sum())], dtype=torch.float64)
 
@@ -40,10 +44,11 @@ def update_scalars(update: dict[str, float], sums: torch.Tensor) -> dict[str, fl
     """The actor's update statistics plus the token means of `token_sums` (already summed over DP)."""
     ent, prob, diff, n = sums.tolist()
     n = max(n, 1.0)
+    entropy = update["entropy"] if math.isnan(ent) else ent / n
     return {"actor/pg_loss": update["loss"], "actor/clipfrac_high": update["clipfrac_high"],
-            "actor/clipfrac_low": update["clipfrac_low"], "actor/grad_norm": update["grad_norm"],
-            "actor/lr": update["lr"], "actor/approx_kl": update["approx_kl"],
-            "actor/nonfinite": update["nonfinite"], "actor/entropy": ent / n, "actor/mean_token_prob": prob / n,
+            "actor/clipfrac_low": update["clipfrac_low"], "actor/clipfrac_dual": update["clipfrac_dual"],
+            "actor/grad_norm": update["grad_norm"], "actor/lr": update["lr"], "actor/approx_kl": update["approx_kl"],
+            "actor/nonfinite": update["nonfinite"], "actor/entropy": entropy, "actor/mean_token_prob": prob / n,
             "rollout/train_rollout_logprob_absdiff": diff / n}
 
 

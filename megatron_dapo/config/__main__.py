@@ -1,0 +1,5 @@
+import sys
+
+from megatron_dapo.config import main
+
+sys.exit(main())

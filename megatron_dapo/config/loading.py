@@ -1,0 +1,141 @@
+"""Defaults <- a YAML delta file <- dotted overrides (`algo.eps_high=0.28`), typed against the tree.
+
+Unknown keys and wrong types are errors that name the key (with a "did you mean").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from megatron_dapo.config.schema import Config, ConfigError
+from megatron_dapo.config.validation import validate
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`; return it (ints widen to floats)."""
+    if isinstance(value, CliText):
+        return _coerce_text(value, tp, key)
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key}: {value!r} is not one of {list(typing.get_args(tp))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {tp}")
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str) and _looks_like_float(value):
+        return float(value)  # YAML 1.1 reads 1e-6 as a string; users mean a number
+    if tp in (int, float, str, bool) and (type(value) is not tp):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+class CliText(str):
+    """An override value as typed on the command line; parsed as YAML against the field's type."""
+
+
+def _coerce_text(text: CliText, tp: Any, key: str) -> Any:
+    parsed = yaml.safe_load(text) if text.strip() else ""
+    try:
+        return _coerce(parsed, tp, key)
+    except ConfigError:
+        if _accepts_str(tp):
+            return _coerce(str(text), tp, key)
+        raise
+
+
+def _accepts_str(tp: Any) -> bool:
+    if tp is str:
+        return True
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp)
+
+
+def _field_types(obj: Any) -> dict[str, Any]:
+    return typing.get_type_hints(type(obj))
+
+
+def _unknown(key: str, name: str, known: list[str]) -> ConfigError:
+    hint = difflib.get_close_matches(name, known, n=1)
+    near = f" (did you mean {hint[0]!r}?)" if hint else ""
+    return ConfigError(f"unknown config key {key!r}{near}; valid here: {sorted(known)}")
+
+
+def apply_delta(cfg: Any, delta: dict[str, Any], prefix: str = "") -> None:
+    """Apply a nested mapping of overrides onto the dataclass `cfg` in place."""
+    hints = _field_types(cfg)
+    for name, value in delta.items():
+        key = f"{prefix}{name}"
+        if name not in hints:
+            raise _unknown(key, str(name), list(hints))
+        current = getattr(cfg, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a mapping of sub-keys, got {value!r}")
+            apply_delta(current, value, prefix=f"{key}.")
+        else:
+            setattr(cfg, name, _coerce(value, hints[name], key))
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """`a.b.c=VALUE` -> {"a": {"b": {"c": CliText(VALUE)}}}, parsed as YAML against the field type."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    dotted, raw = text.split("=", 1)
+    value = CliText(raw)
+    out: dict[str, Any] = {}
+    node = out
+    parts = dotted.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def _looks_like_float(raw: str) -> bool:
+    try:
+        float(raw)
+    except ValueError:
+        return False
+    return raw.strip().lower() not in ("nan", "inf", "-inf", "+inf", "infinity")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML delta file <- dotted overrides, then validate() (world size unknown yet)."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        delta = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(delta, dict):
+            raise ConfigError(f"{p}: top level must be a mapping of sections")
+        apply_delta(cfg, delta)
+    for text in overrides:
+        apply_delta(cfg, parse_override(text))
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, width=100)

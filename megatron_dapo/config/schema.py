@@ -1,0 +1,260 @@
+"""The config tree: one typed dataclass per component, each field with its meaning in the paper.
+
+YAML files hold deltas over these defaults (loading.py); `validate()` (validation.py) runs the checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+FilterMetric = Literal["acc", "score"]
+OnExhausted = Literal["train_partial", "error"]
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be applied; the message names the key."""
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tensor_parallel: int = 1
+    """Megatron tensor-parallel size (TP)."""
+    pipeline_parallel: int = 1
+    """Megatron pipeline-parallel size (PP); DP = world_size / (TP * PP)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend; auto = nccl with CUDA, gloo without."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs TP > 1 and the Transformer Engine spec)."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    hf_dir: str | None = None
+    """Hugging Face checkpoint dir (config.json, weights, tokenizer) the policy starts from."""
+    load: str | None = None
+    """Megatron distributed checkpoint to start from instead of hf_dir's weights."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Parameter dtype: auto = bf16 on GPU (fp32 main grads), fp32 on CPU."""
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Layer spec: auto = Transformer Engine when it imports, else the local spec."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation granularity."""
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    lr: float = 1e-6
+    """AdamW learning rate (paper: 1e-6), constant after warm-up."""
+    warmup_steps: int = 20
+    """Linear warm-up over this many optimizer updates (paper: 20)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (Megatron distributed optimizer)."""
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    micro_batch_tokens: int = 16384
+    """Token budget of one training micro-batch (samples are packed up to it)."""
+    logprob_micro_batch_tokens: int = 32768
+    """Token budget of one micro-batch when computing pi_old log-probs."""
+    offload_when_idle: bool = True
+    """Colocated mode: move params/grads/optimizer state to CPU while the rollout holds the GPU."""
+
+
+@dataclass(kw_only=True)
+class SGLangConfig:
+    mem_fraction_static: float = 0.6
+    """Fraction of GPU memory SGLang takes for weights + KV cache when colocated."""
+    tensor_parallel: int = 1
+    """TP size of each SGLang server (one server per rollout TP group)."""
+    num_servers: int = 0
+    """SGLang servers per node, one per rollout TP group (0 = fill the node: visible GPUs // TP, one on
+    CPU). Server k uses GPUs k*TP .. k*TP+TP-1; prompts are split evenly over all servers of the job,
+    weight updates go to every one."""
+    base_port: int = 30000
+    """First port; server k listens on base_port + k, bound to 127.0.0.1."""
+    startup_timeout_s: float = 600.0
+    """Fail (naming the server log) if /health does not answer within this time."""
+    request_timeout_s: float = 3600.0
+    """Fail a /generate call that takes longer than this."""
+    weight_sync: Literal["tensor", "distributed", "disk"] = "tensor"
+    """tensor = colocated in-memory buckets; distributed = NCCL broadcast; disk = via files."""
+    extra_args: str = ""
+    """Extra `sglang.launch_server` flags, passed through verbatim."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    engine: Literal["embedded", "sglang"] = "embedded"
+    """Rollout engine: embedded (in-process, CPU default) or SGLang servers."""
+    colocate: bool = True
+    """Hybrid engine: rollout and actor share the devices; each sleeps while the other works."""
+    max_prompt_len: int = 2048
+    """Prompts longer than this many tokens are skipped by the data loader."""
+    max_response_len: int = 20480
+    """Hard generation limit L_max (paper: 16384 expected + 4096 buffer = 20480)."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts (paper: 1.0)."""
+    top_p: float = 1.0
+    """Nucleus sampling for training rollouts (paper: 1.0)."""
+    weight_sync_bucket_mb: int = 512
+    """Size of one weight-sync bucket in MiB (actor -> rollout)."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    name: Literal["math_dapo"] = "math_dapo"
+    """Rule-based verifier: +1 if the extracted integer answer equals the truth else -1 (eq. 7)."""
+    soft_overlong_punishment: bool = True
+    """Add eq. 13's length-aware penalty inside the last cache_len tokens before L_max."""
+    overlong_cache_len: int = 4096
+    """L_cache of eq. 13: the punishment interval before rollout.max_response_len (paper: 4096)."""
+    overlong_penalty_factor: float = 1.0
+    """Scale of the soft overlong penalty (eq. 13 reaches -factor at L_max)."""
+    answer_fallback: Literal["none", "boxed"] = "none"
+    """Where the answer is read: none = only the last "Answer:" line (the DAPO rule; the DAPO-Math-17K
+    prompts, the built-in arithmetic task and our GSM8K template all ask for it); boxed = when that line
+    is missing, also the last \\boxed{} and then a "####" line, for prompts that ask for those (MATH-style
+    "put your answer in \\boxed{}", raw GSM8K few-shot prompts)."""
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    group_size: int = 16
+    """G: responses sampled per prompt (paper: 16)."""
+    eps_low: float = 0.2
+    """Lower clip range: ratio is clipped at 1 - eps_low for negative advantages (paper: 0.2)."""
+    eps_high: float = 0.28
+    """Upper clip range, decoupled (Clip-Higher, paper: 0.28); eps_high = eps_low is vanilla PPO."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """token-mean = DAPO token-level loss; seq-mean-token-mean = GRPO; seq-mean-token-sum."""
+    kl_coef: float = 0.0
+    """KL penalty to a reference policy; DAPO removes it (0). Only 0 is supported."""
+    entropy_coef: float = 0.0
+    """Entropy bonus in the loss; 0 = entropy is monitored only."""
+    overlong_filtering: bool = False
+    """Mask truncated responses (finish reason "length") out of the loss."""
+    dynamic_sampling: bool = True
+    """Drop uninformative groups (see filter_metric); generate more until the batch is full."""
+    filter_metric: FilterMetric = "acc"
+    """What makes a group informative for dynamic sampling: acc = 0 < #correct < G (paper eq. 11);
+    score = its rewards differ, which also keeps all-wrong groups that differ only by the soft
+    overlong penalty. The kept fraction and the adaptive round size follow it."""
+    max_gen_rounds: int = 10
+    """Cap on generation rounds per step when dynamic sampling keeps too few groups."""
+    on_rounds_exhausted: OnExhausted = "train_partial"
+    """When the cap is hit: train on the informative groups found (with a warning) or stop."""
+    gen_batch_multiplier: float = 1.0
+    """Prompts per generation round = multiplier * train.prompt_batch_size (verl: 3.0)."""
+    epochs_per_rollout: int = 1
+    """Passes over each rollout batch; updates per step = epochs * batch / mini_batch."""
+    clip_ratio_c: float | None = None
+    """Dual-clip bound c > 1: for negative advantages the token loss is capped at -c * A (verl's
+    clip_ratio_c; its DAPO recipe uses 10). None = off, the paper's eq. 10."""
+    old_logprob_source: Literal["recompute", "rollout"] = "recompute"
+    """pi_old of the ratio: recompute = a forward pass of the trainer before the updates; rollout = the
+    engine's sampling logprobs (skips that pass; the train-inference mismatch then enters the ratio)."""
+    rollout_correction: Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis"] = "none"
+    """Importance weights for the train-inference mismatch, w from pi_old / pi_rollout
+    (algo/rollout_correction.py): token_tis / seq_tis truncate the token / sequence ratio at the
+    threshold; token_mis / seq_mis drop tokens / whole sequences whose ratio leaves
+    [threshold_low, threshold]. none = no weights."""
+    rollout_correction_threshold: float = 2.0
+    """C: the truncation bound (tis) or the upper end of the kept band (mis); > 0."""
+    rollout_correction_threshold_low: float | None = None
+    """Lower end of the mis band; None = 1 / rollout_correction_threshold. Ignored by tis."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train_path: str = "builtin:arithmetic?n=2000&seed=0"
+    """Training prompts: DAPO-Math-17K parquet/jsonl, GSM8K jsonl, or builtin:arithmetic?..."""
+    val_path: str | None = None
+    """Validation prompts (same formats); None disables evaluation."""
+    max_prompt_chars: int | None = None
+    """Rows whose prompt text is longer than this are skipped (counted, reported)."""
+    shuffle: bool = True
+    """Reshuffle the training prompts every epoch (seeded)."""
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    every_steps: int = 5
+    """Evaluate every this many steps (0 = never)."""
+    n_samples: int = 32
+    """k of avg@k: samples per validation prompt (paper: 32)."""
+    temperature: float = 1.0
+    """Evaluation sampling temperature (paper: 1.0)."""
+    top_p: float = 0.7
+    """Evaluation top-p (paper: 0.7)."""
+    max_prompts: int | None = None
+    """Evaluate on at most this many validation prompts."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 100
+    """Rollout steps to run."""
+    prompt_batch_size: int = 512
+    """Prompts per rollout step after dynamic sampling (paper: 512)."""
+    mini_batch_size: int = 32
+    """Prompts per optimizer update, all their G responses included (paper: 512 responses = 32 prompts x 16,
+    so 16 updates per step)."""
+    seed: int = 1
+    """Seeds data order, sampling and initialisation."""
+    deterministic: bool = False
+    """Deterministic algorithms (slower); required for exact resume comparisons."""
+    rollout_budget: int = 0
+    """Stop once this many responses have been generated (0 = no limit): equal-budget ablations."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: str = "checkpoints"
+    """Root folder; a run writes into <dir>/<logging.run_name>/."""
+    save_every: int = 50
+    """Save every this many steps (and at the end); 0 = only at the end."""
+    keep_last: int = 3
+    """Keep this many most recent checkpoints."""
+    resume: str = "auto"
+    """auto = continue from the latest complete checkpoint if any; none; or a checkpoint path."""
+    export_hf: bool = True
+    """Export the final policy in Hugging Face format."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    run_name: str = "dapo"
+    """Names the run's checkpoint and TensorBoard folders."""
+    tensorboard_dir: str = "runs"
+    """TensorBoard event files go to <tensorboard_dir>/<run_name>/."""
+    entropy_collapse_frac: float = 0.1
+    """Alarm when actor entropy falls below this fraction of its first value."""
+    length_blowup_frac: float = 0.95
+    """Alarm when the mean response length exceeds this fraction of max_response_len."""
+
+
+@dataclass(kw_only=True)
+class Config:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
