@@ -10,7 +10,7 @@
 # MASTER_ADDR = first host of the node list, a free MASTER_PORT, NCCL/thread env, HF -> Megatron
 # conversion on first use (skipped once $MEGATRON_CKPT/COMPLETE exists), then one srun task per GPU
 # running `python -m megatron_dapo.train`. The trainer starts the colocated SGLang servers itself
-# (megatron_dapo/rollout/sglang_launch.py: the first rank of every node starts that node's servers,
+# (megatron_dapo/rollout/sglang/fleet.py: the first rank of every node starts that node's servers,
 # rank 0 drives them all; they share the GPUs and sleep while the actor trains), so this script
 # starts no server. checkpoint.resume=auto + --requeue: a requeued job (node
 # failure, preemption, or the USR1 sent 10 min before the time limit) continues from the last

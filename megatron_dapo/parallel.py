@@ -57,9 +57,10 @@ def _first_slurm_host(nodelist: str) -> str:
         return nodelist.split(",")[0].split("[")[0]
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (the OS picks it)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_dapo.config import SGLangConfig
-from megatron_dapo.rollout.sglang_engine import SGLangEngine
+from megatron_dapo.rollout.sglang.engine import SGLangEngine
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -27,12 +27,9 @@ from sglang_support import SGLANG_TIMEOUT, _gone, _max_logprob_diff, server_port
 
 from megatron_dapo.config import SGLangConfig
 from megatron_dapo.rollout.base import EngineStateError, GenerationAborted, SamplingParams
-from megatron_dapo.rollout.sglang_engine import (
-    SGLangEngine,
-    SGLangServerError,
-    iter_buckets,
-    parse_generate_response,
-)
+from megatron_dapo.rollout.sglang.engine import SGLangEngine
+from megatron_dapo.rollout.sglang.server import SGLangServerError
+from megatron_dapo.rollout.sglang.wire import iter_buckets, parse_generate_response
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,7 +108,7 @@ def test_parse_generate_response_rejects_abort_and_malformed():
 
 
 def test_cpu_standin_ops_match_their_definition():
-    from megatron_dapo.rollout.sglang_cpu import sgl_kernel_cpu_standin as k
+    from megatron_dapo.rollout.sglang.cpu_shims import sgl_kernel_cpu_standin as k
 
     req_to_token = torch.zeros(4, 10, dtype=torch.int32)
     k.assign_req_to_token_pool_cpu(torch.tensor([2, 0]), req_to_token, torch.tensor([1, 0]),
@@ -134,7 +131,7 @@ def test_cpu_standin_ops_match_their_definition():
 
 def test_cpu_shim_hook_serves_sgl_kernel_and_patches_device_module(tmp_path):
     """What the venv's .pth does, in this python: inactive without SGLANG_USE_CPU_ENGINE=1."""
-    src = REPO / "megatron_dapo" / "rollout" / "sglang_cpu"
+    src = REPO / "megatron_dapo" / "rollout" / "sglang" / "cpu_shims"
     (tmp_path / "megatron_dapo_sglang_cpu.py").write_text((src / "megatron_dapo_sglang_cpu.py").read_text())
     (tmp_path / "megatron_dapo_sgl_kernel_cpu_standin.py").write_text(
         (src / "sgl_kernel_cpu_standin.py").read_text())

@@ -15,7 +15,8 @@ from sglang_support import SGLANG_TIMEOUT, _gone, _max_logprob_diff, server_port
 
 from megatron_dapo.config import SGLangConfig
 from megatron_dapo.rollout.base import SamplingParams
-from megatron_dapo.rollout.sglang_engine import SGLangEngine, default_python
+from megatron_dapo.rollout.sglang.engine import SGLangEngine
+from megatron_dapo.rollout.sglang.server import default_python
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -16,8 +16,9 @@ from sglang_support import SGLANG_TIMEOUT, _gone, _max_logprob_diff, server_port
 from megatron_dapo.config import SGLangConfig
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.engine_group import EngineGroup
-from megatron_dapo.rollout.sglang_engine import SGLangEngine, SGLangServerError
-from megatron_dapo.rollout.sglang_launch import launch_servers
+from megatron_dapo.rollout.sglang.engine import SGLangEngine
+from megatron_dapo.rollout.sglang.fleet import launch_servers
+from megatron_dapo.rollout.sglang.server import SGLangServerError
 
 
 def _trainer_cmd(tmp_path, run: str, *overrides: str) -> list[str]:
@@ -108,7 +109,7 @@ def test_one_broadcast_updates_several_servers(sglang_python, models, hf, tmp_pa
     """BroadcastServers: both servers join ONE group (world 1 + 1 + 1) and every bucket is broadcast once."""
     import torch
 
-    from megatron_dapo.rollout.sglang_broadcast import BroadcastServers
+    from megatron_dapo.rollout.sglang.fleet import BroadcastServers
 
     port = server_ports(2)
     servers = [SGLangEngine(models["a"], SGLangConfig(base_port=port, startup_timeout_s=600, request_timeout_s=300),
@@ -197,7 +198,7 @@ def _job_worker(rank, world, master_port, exe, root, base_port, block_node1):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), DAPO_NODE_ADDR="127.0.0.1",
                       FAKE_SGLANG_MODE="serve")
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron_dapo.rollout.sglang_launch import start_job_servers
+    from megatron_dapo.rollout.sglang.fleet import start_job_servers
 
     blocker = None
     if block_node1 and rank == 1:

@@ -6,8 +6,8 @@
 # SGLang 0.5.23 pins torch==2.14.1 (a CUDA build -- on local disk here -- that also runs on CPU) and
 # many CUDA-only packages, so it cannot share the trainer's python (torch 2.13 CPU). We install torch +
 # torchvision + triton, the runtime deps the server imports, then `sglang --no-deps` (no flashinfer,
-# sglang-kernel, deep-gemm, ...). Our CPU shims (megatron_dapo/rollout/sglang_cpu/) are copied into the
-# venv and activated by a .pth file; they act only with SGLANG_USE_CPU_ENGINE=1 and no CUDA.
+# sglang-kernel, deep-gemm, ...). Our CPU shims (megatron_dapo/rollout/sglang/cpu_shims/) are copied
+# into the venv and activated by a .pth file; they act only with SGLANG_USE_CPU_ENGINE=1 and no CUDA.
 #
 # Idempotent and cached: a stamp file holds the pinned spec; when it matches, only the shims are
 # refreshed (well under a second). A cold build takes ~2-3 min and ~6.2 GB. Pip's output goes to
@@ -35,7 +35,7 @@ STAMP="$VENV/.megatron-dapo-sglang-stamp"
 LOG="$VENV.build.log"
 
 install_shims() {  # copy our CPU shims into site-packages; the .pth activates them lazily
-  local site src="$ROOT/megatron_dapo/rollout/sglang_cpu"
+  local site src="$ROOT/megatron_dapo/rollout/sglang/cpu_shims"
   site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   cp "$src/megatron_dapo_sglang_cpu.py" "$site/megatron_dapo_sglang_cpu.py"
   cp "$src/sgl_kernel_cpu_standin.py" "$site/megatron_dapo_sgl_kernel_cpu_standin.py"

@@ -5,7 +5,7 @@
 `--skip-tokenizer-init`; or attaches to one another process started. Every HTTP call has a timeout and
 runs while the server's process tree is watched: a server that exits, or does not answer in time,
 raises `SGLangServerError` naming the address, the PID and the log file, with the log's last lines.
-`SGLangEngine` (sglang_engine.py) adds the rollout API on top.
+`SGLangEngine` (engine.py) adds the rollout API on top; process.py handles the process tree.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import atexit
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,9 +31,16 @@ import torch
 
 from megatron_dapo.config import SGLangConfig
 from megatron_dapo.rollout.base import EngineStateError
-from megatron_dapo.rollout.sglang_wire import _parent_death_signal_setter
+from megatron_dapo.rollout.sglang.process import (
+    child_processes,
+    file_tail,
+    kill_process_group,
+    parent_death_signal_setter,
+    port_in_use,
+    same_process,
+)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_VENV_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
 """KV-cache size on CPU when none is given (SGLang's own default there is ~15 GB of RAM)."""
@@ -57,17 +62,6 @@ def default_python() -> str:
     venv = os.environ.get("MEGATRON_DAPO_SGLANG_VENV")
     candidate = Path(venv) / "bin" / "python" if venv else DEFAULT_VENV_PYTHON
     return str(candidate) if candidate.exists() else sys.executable
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _port_in_use(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex((host, port)) == 0
 
 
 class SGLangServer:
@@ -174,7 +168,7 @@ class SGLangServer:
         return env
 
     def _start(self) -> None:
-        if _port_in_use(self.host, self.port):
+        if port_in_use(self.host, self.port):
             raise SGLangServerError(f"cannot start SGLang server at {self.url}: the port is already in use")
         with open(self.log_path, "wb") as log:
             log.write(("$ " + shlex.join(self._cmd) + "\n").encode())
@@ -186,7 +180,7 @@ class SGLangServer:
                 stderr=subprocess.STDOUT,
                 env=self._server_env(),
                 start_new_session=True,
-                preexec_fn=_parent_death_signal_setter() if self.kill_with_parent else None,
+                preexec_fn=parent_death_signal_setter() if self.kill_with_parent else None,
             )
         _LIVE_SERVERS.add(self)
         self._started_at = time.monotonic()
@@ -215,7 +209,7 @@ class SGLangServer:
                     f"did not become healthy within {self.cfg.startup_timeout_s:.0f} s; killed it"
                 )
             time.sleep(0.5)
-        self._children = self._child_pids() if self._proc is not None else []
+        self._children = child_processes(self._proc.pid) if self._proc is not None else []
 
     def _fatal_startup_error(self) -> str | None:
         """A startup failure after which SGLang lingers instead of exiting (its HTTP port taken: uvicorn
@@ -227,44 +221,25 @@ class SGLangServer:
                 return line.split("ERROR:", 1)[-1].strip()
         return None
 
-    def _child_pids(self) -> list[tuple[int, float]]:
-        """(pid, start time) of the server's worker processes; the start time guards against PID reuse."""
-        try:
-            import psutil
-
-            return [(c.pid, c.create_time()) for c in psutil.Process(self._proc.pid).children(recursive=True)]
-        except Exception:
-            return []
-
-    @staticmethod
-    def _same_process(pid: int, started: float) -> bool:
-        try:
-            import psutil
-
-            p = psutil.Process(pid)
-            return abs(p.create_time() - started) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE
-        except Exception:
-            return False
-
-    def _dead_reason(self) -> str | None:
+    def dead_reason(self) -> str | None:
         """Why the server cannot answer: its main process exited, or one of its workers died."""
         if self._proc is None:
             return None if self.attached else "was never started"
         if self._proc.poll() is not None:
             return f"exited with code {self._proc.returncode}"
         for pid, started in self._children:
-            if not self._same_process(pid, started):
+            if not same_process(pid, started):
                 return f"worker process {pid} died"
         return None
 
     def _dead_reason_settled(self, connection_failed: bool = False) -> str | None:
-        """As _dead_reason, but give a dying main process a moment so its exit code is what we report
+        """As dead_reason, but give a dying main process a moment so its exit code is what we report
         (a killed server closes its sockets a moment before it can be reaped)."""
-        reason = self._dead_reason()
+        reason = self.dead_reason()
         if (connection_failed or (reason or "").startswith("worker")) and self._proc is not None:
             with suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=1.0)
-            reason = self._dead_reason()
+            reason = self.dead_reason()
         return reason
 
     @property
@@ -272,14 +247,7 @@ class SGLangServer:
         return self._proc.pid if self._proc is not None else None
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 64 * 1024))
-                text = f.read().decode(errors="replace")
-        except OSError as e:
-            return f"(cannot read the log: {e})"
-        return "\n".join(text.splitlines()[-lines:])
+        return file_tail(self.log_path, lines)
 
     def _error(self, what: str) -> SGLangServerError:
         return SGLangServerError(
@@ -290,22 +258,8 @@ class SGLangServer:
 
     def _kill(self) -> None:
         """SIGTERM the server's process group, SIGKILL it after the grace period; by PID, never by name."""
-        proc = self._proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            with suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=self.shutdown_grace_s)
-        for pid, started in self._children:  # workers that left the group or outlived the parent
-            if self._same_process(pid, started):
-                with suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
+        if self._proc is not None:
+            kill_process_group(self._proc, self._children, self.shutdown_grace_s)
 
     def shutdown(self) -> None:
         """Stop the server (an attached one is only let go); idempotent."""
@@ -328,7 +282,7 @@ class SGLangServer:
         except urllib.error.HTTPError as e:
             return e.code, e.read()
 
-    def _call(self, method: str, path: str, body: Any = None, *, timeout: float) -> Any:
+    def call(self, method: str, path: str, body: Any = None, *, timeout: float) -> Any:
         """One HTTP call with a hard deadline, watching the server's processes while it runs."""
         if self._closed:
             raise EngineStateError(f"SGLang engine {self.url} is shut down")
@@ -369,8 +323,8 @@ class SGLangServer:
         except json.JSONDecodeError:
             return text
 
-    def _post(self, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
-        out = self._call(
+    def post(self, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
+        out = self.call(
             "POST",
             path,
             {} if body is None else body,

@@ -1,7 +1,7 @@
 """Loaded by a .pth file in the SGLang venv: activate megatron-dapo's CPU shims for SGLang, lazily.
 
 Cheap at start-up (no torch import here). Active only when SGLANG_USE_CPU_ENGINE=1; the CUDA check runs
-when `sgl_kernel` or `sglang` is first imported. See megatron_dapo/rollout/sglang_cpu/__init__.py.
+when `sgl_kernel` or `sglang` is first imported. See megatron_dapo/rollout/sglang/cpu_shims/__init__.py.
 """
 
 from __future__ import annotations

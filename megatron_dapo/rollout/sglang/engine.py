@@ -7,12 +7,12 @@ safetensors, so the trainer's python (torch 2.13, no sglang) drives it.
 
 Without CUDA the server is SGLang's CPU engine (`SGLANG_USE_CPU_ENGINE=1 --device cpu
 --attention-backend torch_native`, cuda graphs off); the two CPU shims of
-`megatron_dapo/rollout/sglang_cpu/` are active there. With CUDA the normal flags apply, plus
+`megatron_dapo/rollout/sglang/cpu_shims/` are active there. With CUDA the normal flags apply, plus
 `--enable-memory-saver` when colocated so that sleep()/wake() really free and retake GPU memory.
 
-Weight transports (`SGLangConfig.weight_sync`). All three were verified against the real SGLang
-0.5.23 server on CPU from a torch 2.13 trainer process without sglang; logprobs after a sync equal
-the source model's within 1e-4 (tests/test_rollout_sglang.py):
+Weight transports (`SGLangConfig.weight_sync`; the moving parts are in transport.py). All three were
+verified against the real SGLang 0.5.23 server on CPU from a torch 2.13 trainer process without
+sglang; logprobs after a sync equal the source model's within 1e-4 (tests/test_rollout_sglang.py):
 - "tensor" (colocated): each bucket is copied once into a flat shared buffer and the list of
   (name, view) pairs is pickled with torch's ForkingPickler -- what sglang's MultiprocessingSerializer
   does -- then POSTed to /update_weights_from_tensor (base64). CPU tensors travel as shared-memory
@@ -28,7 +28,7 @@ the source model's within 1e-4 (tests/test_rollout_sglang.py):
 Tensor and distributed updates are wrapped in /begin_weight_update ... /end_weight_update (SGLang
 0.5.x refuses them otherwise); every update ends with /flush_cache (no stale radix-cache KV).
 
-Failure handling (sglang_server.py, the process and HTTP layer under the engine): every HTTP call has
+Failure handling (server.py, the process and HTTP layer under the engine): every HTTP call has
 a timeout and runs while the server's process tree is watched; a server that exits, or does not
 answer in time, raises `SGLangServerError` naming the address, the PID and the log file, with the
 log's last lines. Nothing here waits without a bound.
@@ -57,24 +57,13 @@ from megatron_dapo.rollout.base import (
     SamplingParams,
     check_prompts,
 )
-from megatron_dapo.rollout.sglang_server import (  # noqa: F401 - re-exported
-    CPU_DEFAULT_MAX_TOTAL_TOKENS,
-    SGLangServer,
-    SGLangServerError,
-    default_python,
-    free_port,
-)
-from megatron_dapo.rollout.sglang_weight_group import WeightBroadcastGroup
-from megatron_dapo.rollout.sglang_wire import (
-    _aligned_layout,
-    _cut_at_stop,
-    _file_system_sharing,
-    _flat_views,
-    _start_shm_manager_quietly,
+from megatron_dapo.rollout.sglang.server import SGLangServer
+from megatron_dapo.rollout.sglang.transport import WeightBroadcastGroup, serialized_bucket
+from megatron_dapo.rollout.sglang.wire import (
     checkpoint_shapes,
+    cut_at_stop,
     iter_buckets,
     parse_generate_response,
-    serialize_named_tensors,
     tensor_nbytes,
 )
 from megatron_dapo.types import Sample
@@ -103,7 +92,7 @@ class SGLangEngine(SGLangServer, RolloutEngine):
     `model_path`: HF folder the server loads at start (and whose safetensors headers are used to
     check names/shapes of weight updates). `cfg`: the SGLang sub-config. `bucket_mb`: weight-sync
     bucket size (RolloutConfig.weight_sync_bucket_mb). `python`: the interpreter with sglang
-    (default: see `default_python`). `port`: default cfg.base_port + server_index; on CUDA, server k
+    (default: see `server.default_python`). `port`: default cfg.base_port + server_index; on CUDA, server k
     uses GPUs k*TP .. k*TP+TP-1 (--base-gpu-id). `dtype`: the
     server's --dtype. `device`: "auto" = cuda if this process sees CUDA, else the CPU engine.
     `log_dir`: where `sglang-<host>-<port>.log` goes. `extra_args`: more launch flags (after
@@ -178,22 +167,22 @@ class SGLangEngine(SGLangServer, RolloutEngine):
                 dict(params, sampling_seed=(sampling.seed + k) % 2**63) for k in range(len(requests))
             ]
         self._abort.clear()
-        payload = self._post(
+        payload = self.post(
             "/generate", {"input_ids": requests, "sampling_params": sampling_params, "return_logprob": True}
         )
         if self._abort.is_set():
             raise GenerationAborted(f"generate on {self.url} was aborted")
         samples = parse_generate_response(payload, requests)
         if cut_at:
-            samples = [_cut_at_stop(s, cut_at) for s in samples]
+            samples = [cut_at_stop(s, cut_at) for s in samples]
         return [samples[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
 
     def abort(self) -> None:
         self._abort.set()
-        self._post("/abort_request", {"abort_all": True}, timeout=60)
+        self.post("/abort_request", {"abort_all": True}, timeout=60)
 
     def health(self) -> bool:
-        if self._closed or self._dead_reason() is not None:
+        if self._closed or self.dead_reason() is not None:
             return False
         try:
             status, _ = self._http("GET", "/health", None, timeout=10)
@@ -201,19 +190,23 @@ class SGLangEngine(SGLangServer, RolloutEngine):
             return False
         return status == 200
 
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
     def sleep(self) -> None:
         if not self._asleep:
-            self._post("/release_memory_occupation", {}, timeout=600)
+            self.post("/release_memory_occupation", {}, timeout=600)
             self._asleep = True
 
     def wake(self) -> None:
         if self._asleep:
-            self._post("/resume_memory_occupation", {}, timeout=600)
+            self.post("/resume_memory_occupation", {}, timeout=600)
             self._asleep = False
 
     # ------------------------------------------------------------------------- weight updates
 
-    def _checked(
+    def checked_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in named_tensors:
@@ -244,45 +237,36 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         version = str(next(self._versions))
         stats = WeightUpdateStats(transport=transport)
         start = time.perf_counter()
-        buckets = iter_buckets(self._checked(named_tensors), self.bucket_bytes)
+        buckets = iter_buckets(self.checked_weights(named_tensors), self.bucket_bytes)
         if transport == "disk":
             self._send_disk(buckets, version, stats)
         else:
             send = self._send_tensor if transport == "tensor" else self._weight_group.send
             if transport == "distributed":
                 self._weight_group.ensure()
-            self._post("/begin_weight_update", {})
+            self.post("/begin_weight_update", {})
             try:
                 for bucket in buckets:
                     send(bucket, version)
                     stats.add(bucket)
             except BaseException:
-                if self._dead_reason() is None:  # close the session, but report the first error
+                if self.dead_reason() is None:  # close the session, but report the first error
                     with suppress(Exception):
-                        self._post("/end_weight_update", {}, timeout=60)
+                        self.post("/end_weight_update", {}, timeout=60)
                 raise
-            self._post("/end_weight_update", {}, timeout=600)
-        self._call("POST", "/flush_cache", None, timeout=600)
+            self.post("/end_weight_update", {}, timeout=600)
+        self.call("POST", "/flush_cache", None, timeout=600)
         stats.seconds = time.perf_counter() - start
         self.last_update = stats
 
     def _send_tensor(self, bucket: list[tuple[str, torch.Tensor]], version: str) -> None:
-        offsets, total = _aligned_layout(bucket)
-        device = bucket[0][1].device
-        if device.type == "cpu":
-            _start_shm_manager_quietly()
-            with _file_system_sharing():
-                flat = torch.empty(total, dtype=torch.uint8).share_memory_()
-        else:
-            flat = torch.empty(total, dtype=torch.uint8, device=device)
-        views = _flat_views(flat, bucket, offsets)
-        payload = serialize_named_tensors(views)
+        payload, views = serialized_bucket(bucket)
         tp = self.cfg.tensor_parallel
-        self._post(
+        self.post(
             "/update_weights_from_tensor",
             {"serialized_named_tensors": [payload] * tp, "flush_cache": False, "weight_version": version},
         )
-        del views, flat  # the server has copied them into its parameters
+        del views  # the server has copied them into its parameters
 
     def _send_disk(
         self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: str, stats: WeightUpdateStats
@@ -301,7 +285,7 @@ class SGLangEngine(SGLangServer, RolloutEngine):
                 )
                 stats.add(bucket)
             if stats.tensors:
-                self._post(
+                self.post(
                     "/update_weights_from_disk",
                     {"model_path": str(folder), "flush_cache": False, "weight_version": version},
                 )
@@ -310,5 +294,5 @@ class SGLangEngine(SGLangServer, RolloutEngine):
 
     def weight_version(self) -> str | None:
         """The server's current weight version string (bumped by every update_weights)."""
-        info = self._call("GET", "/model_info", None, timeout=30)
+        info = self.call("GET", "/model_info", None, timeout=30)
         return info.get("weight_version") if isinstance(info, dict) else None
