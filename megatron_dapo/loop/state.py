@@ -154,7 +154,7 @@ def build_run(cfg: Config) -> RunState:
 def _start_sglang(cfg: Config, hf_dir: str):
     """Every rank: node leaders start SGLang servers; global rank 0 gets the engine over all of them."""
     from megatron_dapo.actor.model import param_dtype
-    from megatron_dapo.rollout.sglang_launch import start_job_servers
+    from megatron_dapo.rollout.sglang.fleet import start_job_servers
 
     # the actor's dtype, not SGLang's "auto" (which serves a float32 checkpoint in float16)
     dtype = str(param_dtype(cfg.model)).removeprefix("torch.")

@@ -50,6 +50,7 @@ from typing import Any, Literal
 import torch
 
 from megatron_dapo.config import SGLangConfig
+from megatron_dapo.hf_files import checkpoint_shapes
 from megatron_dapo.rollout.base import (
     EngineStateError,
     GenerationAborted,
@@ -60,7 +61,6 @@ from megatron_dapo.rollout.base import (
 from megatron_dapo.rollout.sglang.server import SGLangServer
 from megatron_dapo.rollout.sglang.transport import WeightBroadcastGroup, serialized_bucket
 from megatron_dapo.rollout.sglang.wire import (
-    checkpoint_shapes,
     cut_at_stop,
     iter_buckets,
     parse_generate_response,

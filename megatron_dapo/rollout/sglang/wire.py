@@ -8,9 +8,7 @@ for the three weight transports.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -117,25 +115,6 @@ def cut_at_stop(sample: Sample, stop: set[int]) -> Sample:
             sample.finish_reason = "stop"
             break
     return sample
-
-
-def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]] | None:
-    """Tensor names and shapes of an HF safetensors checkpoint (headers only); None if not readable."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        return None
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for k in st.keys():  # noqa: SIM118 - safe_open is not a dict
-                shapes[k] = tuple(st.get_slice(k).get_shape())
-    cfg_file = Path(model_path) / "config.json"
-    tied = cfg_file.exists() and json.loads(cfg_file.read_text()).get("tie_word_embeddings", False)
-    if tied and "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes:
-        shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
-    return shapes
 
 
 def broadcast_payload(bucket: Sequence[tuple[str, torch.Tensor]], device: torch.device
