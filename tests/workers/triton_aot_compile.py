@@ -35,9 +35,8 @@ def aot_signature(kernel, logits_type: str) -> dict[str, str]:
 
 def variants() -> list[tuple[object, dict]]:
     out = [(lt._stats_kernel, {"BLOCK_V": 4096, "ENTROPY": e}) for e in (True, False)]
-    out += [
-        (lt._grad_kernel, {"BLOCK_V": 4096, "HAS_LP": a, "HAS_ENT": b}) for a in (True, False) for b in (True, False)
-    ]
+    flags = [(a, b) for a in (True, False) for b in (True, False)]
+    out += [(lt._grad_kernel, {"BLOCK_V": 4096, "HAS_LP": a, "HAS_ENT": b}) for a, b in flags]
     return out + [(pt._clip_loss_kernel, {"BLOCK": pt.BLOCK})]
 
 
