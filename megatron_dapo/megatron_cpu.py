@@ -168,3 +168,19 @@ def _patch_moe_split_sizes() -> None:
         return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     token_dispatcher.maybe_move_tensor_to_cpu = to_host_numpy
+    _patch_all_to_all()
+
+
+def _patch_all_to_all() -> None:
+    """The all-to-all's output is allocated on `torch.cuda.current_device()`. A mode is switched off while
+    its handler runs, and the backward pass runs inside the handler of `backward`: the backward of the
+    MoE all-to-all (another all-to-all) would allocate on CUDA. Run its forward inside the mode always."""
+    from megatron.core.tensor_parallel import mappings
+
+    forward = mappings._AllToAll.forward
+
+    def forward_on_host(ctx, *args):
+        with _MODE:
+            return forward(ctx, *args)
+
+    mappings._AllToAll.forward = staticmethod(forward_on_host)
