@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from workers.actor_worker import GRAD_CLIP, LR, UPDATES, VOCAB, fixed_batch, old_logprob_offset
+from workers.actor_worker import GRAD_CLIP, LR, VOCAB, fixed_batch, old_logprob_offset
 
 from megatron_dapo.parallel import free_port
 from megatron_dapo.tiny import tiny_model
