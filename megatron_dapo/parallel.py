@@ -71,7 +71,7 @@ def backend_for(cfg: ParallelConfig) -> str:
 
 
 def initialize(cfg: ParallelConfig, *, seed: int, timeout_s: float = 600.0) -> LaunchEnv:
-    """Start torch.distributed (if needed) and Megatron's TP/PP/DP groups; seed every RNG."""
+    """Start torch.distributed (if needed) and Megatron's TP/PP/DP (and expert-parallel) groups; seed every RNG."""
     env = launch_env()
     megatron_cpu.enable()
     if torch.cuda.is_available():
@@ -81,13 +81,17 @@ def initialize(cfg: ParallelConfig, *, seed: int, timeout_s: float = 600.0) -> L
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
         dist.init_process_group(backend_for(cfg), rank=env.rank, world_size=env.world_size,
                                 timeout=timedelta(seconds=timeout_s))
-    tp, pp = cfg.tensor_parallel, cfg.pipeline_parallel
+    tp, pp, ep = cfg.tensor_parallel, cfg.pipeline_parallel, cfg.expert_parallel
     if env.world_size % (tp * pp):
         raise ValueError(f"TP({tp}) x PP({pp}) does not divide world size {env.world_size}")
+    if (env.world_size // (tp * pp)) % ep:
+        raise ValueError(f"EP({ep}) does not divide the data-parallel size {env.world_size // (tp * pp)}")
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        # expert TP = TP (Megatron's default): each expert is split like a dense MLP, EP spreads experts over DP
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep)
     seed_all(seed)
     return env
 
@@ -144,6 +148,32 @@ def pp_size() -> int:
 
 def pp_group():
     return _ps().get_pipeline_model_parallel_group()
+
+
+def ep_rank() -> int:
+    """This rank's place among the expert-parallel ranks (which experts it holds)."""
+    return _ps().get_expert_model_parallel_rank()
+
+
+def ep_size() -> int:
+    return _ps().get_expert_model_parallel_world_size()
+
+
+def ep_group():
+    return _ps().get_expert_model_parallel_group()
+
+
+def expert_tp_rank() -> int:
+    return _ps().get_expert_tensor_parallel_rank()
+
+
+def expert_tp_size() -> int:
+    return _ps().get_expert_tensor_parallel_world_size()
+
+
+def expert_tp_group():
+    """The ranks that hold pieces of the same expert (Megatron's expert tensor parallel)."""
+    return _ps().get_expert_tensor_parallel_group()
 
 
 def dp_rank() -> int:

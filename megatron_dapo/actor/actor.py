@@ -167,7 +167,11 @@ class Actor:
         return {**metrics, "grad_norm": float(grad_norm or 0.0), "update_ok": float(bool(ok))}
 
     def _grads_finite(self) -> bool:
-        return all(bool(torch.isfinite(buf.grad_data.sum())) for buf in self.ddp.buffers)
+        return all(bool(torch.isfinite(buf.grad_data.sum())) for buf in self._buffers())
+
+    def _buffers(self) -> list[Any]:
+        """Megatron DDP's grad buffers: dense parameters, and routed experts (reduced over expert-DP) apart."""
+        return [*self.ddp.buffers, *self.ddp.expert_parallel_buffers]
 
     def _reduce_stats(self, stats: torch.Tensor) -> dict[str, float]:
         """Sum the token statistics over DP (from the last pipeline stage) and flag non-finite values."""
@@ -192,7 +196,7 @@ class Actor:
         if self.asleep:
             return
         if torch.cuda.is_available():
-            for buf in self.ddp.buffers:
+            for buf in self._buffers():
                 buf.offload_to_cpu(move_params=True, move_grads=True)
             self.optimizer.offload_to_cpu()
             torch.cuda.empty_cache()
@@ -202,7 +206,7 @@ class Actor:
         if not self.asleep:
             return
         if torch.cuda.is_available():
-            for buf in self.ddp.buffers:
+            for buf in self._buffers():
                 buf.reload_from_cpu(move_params=True, move_grads=True)
             self.optimizer.restore_from_cpu()
         self.asleep = False

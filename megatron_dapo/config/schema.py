@@ -23,6 +23,9 @@ class ParallelConfig:
     """Megatron tensor-parallel size (TP)."""
     pipeline_parallel: int = 1
     """Megatron pipeline-parallel size (PP); DP = world_size / (TP * PP)."""
+    expert_parallel: int = 1
+    """Mixture-of-experts models: experts split over this many ranks (EP), inside the TP x DP ranks of a
+    pipeline stage; must divide num_experts and world_size / (TP * PP)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend; auto = nccl with CUDA, gloo without."""
     sequence_parallel: bool = False

@@ -25,6 +25,7 @@ def _problems(cfg: Config) -> list[str]:
     a, t, r, o = cfg.algo, cfg.train, cfg.rollout, cfg.actor.optimizer
     _positive(p, {"parallel.tensor_parallel": cfg.parallel.tensor_parallel,
                   "parallel.pipeline_parallel": cfg.parallel.pipeline_parallel,
+                  "parallel.expert_parallel": cfg.parallel.expert_parallel,
                   "train.prompt_batch_size": t.prompt_batch_size, "train.mini_batch_size": t.mini_batch_size,
                   "rollout.max_response_len": r.max_response_len, "rollout.max_prompt_len": r.max_prompt_len,
                   "algo.max_gen_rounds": a.max_gen_rounds, "algo.epochs_per_rollout": a.epochs_per_rollout,
@@ -100,6 +101,10 @@ def _layout_problems(cfg: Config, world_size: int) -> list[str]:
     if world_size % (tp * pp):
         return [f"TP({tp}) x PP({pp}) = {tp * pp} does not divide world size {world_size}"]
     dp = data_parallel_size(cfg, world_size)
+    ep = cfg.parallel.expert_parallel
+    if ep > 0 and dp % ep:
+        return [f"parallel.expert_parallel={ep} must divide DP={dp} (world {world_size} / TP {tp} / PP {pp}): "
+                f"the experts are split over data-parallel ranks"]
     if cfg.train.mini_batch_size % dp:
         return [f"train.mini_batch_size={cfg.train.mini_batch_size} must divide by DP={dp} "
                 f"(world {world_size} / TP {tp} / PP {pp})"]

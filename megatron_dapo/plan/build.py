@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 from megatron_dapo.config import Config, ConfigError, data_parallel_size, validate
 from megatron_dapo.plan.core import (Hardware, IdleActor, Layout, ModelSummary, Plan, RolloutPhase,
                                      SGLangPool, StageMemory, TokenBudget, TrainPhase, fmt_gib)
-from megatron_dapo.plan.memory import (actor_bytes, kv_bytes_per_token, params_dtype, stage_activations,
-                                       stage_params, total_params)
+from megatron_dapo.plan.memory import (activated_params, actor_bytes, kv_bytes_per_token, params_dtype,
+                                       stage_activations, stage_expert_params, stage_params, total_params)
 
 if TYPE_CHECKING:
     from megatron_dapo.actor.model import ModelSpec
@@ -24,10 +24,13 @@ def make_plan(cfg: Config, spec: ModelSpec, hw: Hardware, *, model_source: str =
     problems = [*_config_problems(cfg, spec, hw), *_train_problems(cfg, train.worst, hw),
                 *_rollout_problems(cfg, spec, hw, rollout)]
     warnings = [*_tp_warnings(cfg, hw), *_rollout_warnings(cfg)]
-    model = ModelSummary(source=model_source, params=total_params(spec), layers=spec.num_layers,
-                         hidden=spec.hidden_size, ffn=spec.ffn_hidden_size, heads=spec.num_heads,
+    moe = spec.moe
+    model = ModelSummary(source=model_source, params=total_params(spec), activated_params=activated_params(spec),
+                         layers=spec.num_layers, hidden=spec.hidden_size,
+                         ffn=spec.ffn_hidden_size if moe is None else moe.ffn_hidden_size, heads=spec.num_heads,
                          kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, vocab=spec.vocab_size,
-                         vocab_padded=spec.padded_vocab_size(layout.tp), tied_embeddings=spec.tied_embeddings)
+                         vocab_padded=spec.padded_vocab_size(layout.tp), tied_embeddings=spec.tied_embeddings,
+                         experts=moe.num_experts if moe else 0, experts_per_token=moe.top_k if moe else 0)
     return Plan(config=config_name, hardware=hw, model=model, layout=layout, train=train, rollout=rollout,
                 tokens=_tokens(cfg, layout.dp), problems=tuple(problems), warnings=tuple(warnings))
 
@@ -36,7 +39,7 @@ def _layout(cfg: Config, spec: ModelSpec, hw: Hardware) -> Layout:
     par, world = cfg.parallel, hw.world_size
     tp, pp = par.tensor_parallel, par.pipeline_parallel
     divides = not (spec.num_layers % pp or world % (tp * pp))
-    return Layout(world_size=world, tp=tp, pp=pp,
+    return Layout(world_size=world, tp=tp, pp=pp, ep=par.expert_parallel,
                   dp=data_parallel_size(cfg, world) if divides else max(world // (tp * pp), 1),
                   sequence_parallel=par.sequence_parallel, recompute=cfg.model.recompute,
                   distributed_optimizer=cfg.actor.optimizer.distributed_optimizer, dtype=params_dtype(cfg),
@@ -51,11 +54,14 @@ def _config_problems(cfg: Config, spec: ModelSpec, hw: Hardware) -> list[str]:
         validate(cfg, hw.world_size)
     except ConfigError as e:
         problems += [line.strip().removeprefix("- ") for line in str(e).splitlines()[1:]]
-    tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
+    tp, pp, ep = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.expert_parallel
     try:
-        validate_layout(spec, tp, pp)
+        validate_layout(spec, tp, pp, ep)
     except UnsupportedModelError as e:
-        problems.append(f"model does not split at TP={tp}, PP={pp}: {e}")
+        problems.append(f"model does not split at TP={tp}, PP={pp}, EP={ep}: {e}")
+    if spec.moe is not None and tp > 1 and not cfg.parallel.sequence_parallel:
+        problems.append(f"a MoE model trains at tensor_parallel={tp} only with parallel.sequence_parallel=true "
+                        f"(megatron-core refuses MoE + TP without it); or use expert_parallel instead of TP")
     return problems
 
 
@@ -74,13 +80,17 @@ def _tp_warnings(cfg: Config, hw: Hardware) -> list[str]:
 
 def _train_phase(cfg: Config, spec: ModelSpec, hw: Hardware, dp: int) -> TrainPhase:
     per_param, par = actor_bytes(cfg), cfg.parallel
+    tp, pp, ep = par.tensor_parallel, par.pipeline_parallel, par.expert_parallel
     shards = dp if cfg.actor.optimizer.distributed_optimizer else 1
+    experts = stage_expert_params(spec, tp, pp, ep)  # sharded over the expert-data-parallel ranks
+    expert_shards = max(shards // ep, 1)
     stages = []
-    for i, params in enumerate(stage_params(spec, par.tensor_parallel, par.pipeline_parallel)):
+    for i, params in enumerate(stage_params(spec, tp, pp, ep)):
         act = stage_activations(spec, cfg, i)
+        optimizer = per_param.optimizer * ((params - experts) / shards + experts / expert_shards)
         stages.append(StageMemory(
             stage=i, params=params, weights=per_param.weights * params,
-            main_grads=per_param.main_grads * params, optimizer=per_param.optimizer * params / shards,
+            main_grads=per_param.main_grads * params, optimizer=optimizer,
             activations_train=act.train, activations_logprob=act.logprob, train_tokens=act.train_tokens,
             logprob_tokens=act.logprob_tokens, reserve=hw.reserve_bytes))
     return TrainPhase(stages=tuple(stages))

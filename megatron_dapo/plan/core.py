@@ -60,6 +60,8 @@ class Hardware:
 class ModelSummary:
     source: str
     params: int
+    activated_params: int
+    """Parameters one token runs through (a MoE model's top-k experts; = params if dense)."""
     layers: int
     hidden: int
     ffn: int
@@ -69,6 +71,8 @@ class ModelSummary:
     vocab: int
     vocab_padded: int
     tied_embeddings: bool
+    experts: int = 0
+    experts_per_token: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +82,8 @@ class Layout:
     pp: int
     dp: int
     sequence_parallel: bool
+    ep: int = 1
+    """Expert parallel: the routed experts split over EP of the DP ranks."""
     recompute: str
     distributed_optimizer: bool
     dtype: str

@@ -41,10 +41,13 @@ def _header(plan: Plan) -> list[str]:
         f"model: {_n(m.params)} params, {m.layers} layers, hidden {m.hidden}, FFN {m.ffn}, "
         f"{m.heads} heads / {m.kv_heads} KV heads x {m.head_dim}, vocab {m.vocab} "
         f"(padded {m.vocab_padded}), {'tied' if m.tied_embeddings else 'untied'} embeddings",
+        *([f"       MoE: {m.experts} experts of FFN {m.ffn}, top-{m.experts_per_token} per token: "
+            f"{_n(m.activated_params)} params activated per token"] if m.experts else []),
         f"       from {m.source}",
         "",
         "layout",
-        f"  actor    TP={lay.tp} x PP={lay.pp} x DP={lay.dp} = {lay.world_size}; "
+        f"  actor    TP={lay.tp} x PP={lay.pp} x DP={lay.dp} = {lay.world_size}"
+        f"{f' (experts: EP={lay.ep} of the DP ranks)' if lay.ep > 1 else ''}; "
         f"{lay.layers_per_stage} layers per stage; sequence parallel {on_off}; recompute {lay.recompute}; "
         f"{optim} optimizer; {lay.dtype} params",
     ]

@@ -33,6 +33,7 @@ from megatron_dapo.rollout.base import (
     SamplingParams,
     check_prompts,
 )
+from megatron_dapo.rollout.checkpoint_names import checkpoint_views
 from megatron_dapo.rollout.decoders import Decoder, HFDecoder, LlamaDecoder, llama_fast_path_ok
 from megatron_dapo.types import Sample
 
@@ -121,7 +122,7 @@ class EmbeddedEngine(RolloutEngine):
         self.max_batch_tokens = max_batch_tokens
         use_fast = llama_fast_path_ok(model) if fast_path is None else fast_path
         self._decoder_cls: type[LlamaDecoder] | type[HFDecoder] = LlamaDecoder if use_fast else HFDecoder
-        self._params = dict(model.named_parameters(remove_duplicate=False))
+        self._params = checkpoint_views(dict(model.named_parameters(remove_duplicate=False)))
         self._eos = _eos_ids(model)
         self._busy = threading.Lock()
         self._abort = threading.Event()
