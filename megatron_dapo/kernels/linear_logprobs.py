@@ -105,6 +105,7 @@ def linear_logprobs_and_entropy(
     compute_entropy: bool = True,
     impl: str = "auto",
     chunk_bytes: int | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """token_logprobs_and_entropy(hidden @ weight^T, targets, ...) without materialising the logits.
 
@@ -112,11 +113,13 @@ def linear_logprobs_and_entropy(
         hidden: [..., H] (replicated across `tp_group`); weight: [V_local, H], rows = vocab ids
             [vocab_start, vocab_start + V_local); targets: [...] global ids.
         chunk_bytes: memory budget of one [chunk, V_local] logits block (LINEAR_CHUNK_BYTES by device).
+        temperature: softmax(hidden @ weight^T / temperature), folded into the kernels' loads.
+        Megatron's vocab padding: pass only the valid rows of the weight (a view, e.g. weight[:valid]).
     """
     if hidden.shape[:-1] != targets.shape or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"need hidden [..., H], weight [V, H], targets [...]; got {tuple(hidden.shape)}, "
                          f"{tuple(weight.shape)}, {tuple(targets.shape)}")  # fmt: skip
-    backend = get_backend(resolve_impl(impl, hidden.device))
+    backend = get_backend(resolve_impl(impl, hidden.device), temperature=temperature)
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(-1).to(device=hidden.device, dtype=torch.int64)
     logprob, entropy = LinearLogprobsEntropy.apply(
