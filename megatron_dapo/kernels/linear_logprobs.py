@@ -22,9 +22,10 @@ import torch.distributed as dist
 from megatron_dapo.kernels.logprobs import Backend, get_backend, resolve_impl
 from megatron_dapo.kernels.vocab_parallel import RowStats, combine, tp_world_size
 
-LINEAR_CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}
+LINEAR_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 2 << 30}
 """Budget of one [chunk, V_local] logits block (the backend bounds its own fp32 temporaries). Large
-chunks matter: every chunk also reads and writes the whole [V, H] weight gradient."""
+chunks matter: every chunk also reads and writes the whole [V, H] weight gradient. On CPU the budget
+is also the loss's memory floor next to a small model (tools/bench_actor.py --memory)."""
 
 
 def _chunk_rows(weight: torch.Tensor, chunk_bytes: int | None) -> int:
