@@ -9,20 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from workers.loss_impl_worker import CASES, fixed_batch
 
 from megatron_dapo.parallel import free_port
 
 WORKER = Path(__file__).parent / "workers" / "loss_impl_worker.py"
-CASES = [("logits", 1.0), ("linear", 1.0), ("logits", 0.7), ("linear", 0.7)]
-
-
-def _worker_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("loss_impl_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
@@ -45,9 +36,8 @@ def run(model_dir: Path, out: Path, tp: int, env: dict) -> list[dict]:
 def oracle(model_dir: Path, temperature: float) -> dict:
     from transformers import AutoModelForCausalLM
 
-    w = _worker_module()
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float64)
-    b = w.fixed_batch()
+    b = fixed_batch()
     logp = torch.log_softmax(model(b.input_ids).logits[:, :-1] / temperature, -1)
     lp = logp.gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1)

@@ -2,6 +2,7 @@
 exactly, the final policy exports to HF, dry-run and config errors. `slow`: the full tiny run learns."""
 
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -101,12 +102,14 @@ def test_sigkill_and_resume_replays_exactly(base_dir, tmp_path, python_env):
     steps = ["train.steps=4", "checkpoint.save_every=1", "eval.every_steps=0"]
     run_train(train_cmd(base_dir, tmp_path, "straight", *steps), python_env)
     proc = subprocess.Popen(train_cmd(base_dir, tmp_path, "killed", *steps), env=python_env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     marker = tmp_path / "ckpt" / "killed" / "step_00000002" / "COMPLETE"
     deadline = time.time() + 300
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)
-    proc.send_signal(signal.SIGKILL)
+    # Kill the whole job, as a node failure or scancel does: the trainer alone would leave megatron-core's
+    # checkpoint-writer Manager (a multiprocessing spawn child) orphaned and running forever.
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     assert marker.exists(), "the run never reached its step-2 checkpoint"
     assert not (tmp_path / "ckpt" / "killed" / "step_00000004").exists()
