@@ -1,7 +1,7 @@
 """actor.loss_impl = logits | linear against an independent oracle (transformers in float64 + the DAPO
 loss written out here, autograd gradients), at TP1 and TP2, untied and tied output weights, with and
-without a sampling temperature. The vocab (200) is padded by Megatron to 256: at TP2 the second rank's
-shard is part padding. Runs tests/workers/loss_impl_worker.py under torchrun (gloo)."""
+without a sampling temperature. Megatron pads the vocab to 256: at TP2 the second rank's shard is part
+padding (vocab 200) or padding only (vocab 100). Runs tests/workers/loss_impl_worker.py under torchrun (gloo)."""
 
 import subprocess
 import sys
@@ -16,18 +16,26 @@ from megatron_dapo.parallel import free_port
 WORKER = Path(__file__).parent / "workers" / "loss_impl_worker.py"
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+@pytest.fixture(scope="module", params=[(False, 200), (True, 200), (True, 100)],
+                ids=["untied", "tied", "tied-v100"])
 def model_dir(request, tmp_path_factory):
     from megatron_dapo.tiny import save_tiny_model
 
-    return save_tiny_model(tmp_path_factory.mktemp("m"), "qwen2", seed=5, tied=request.param, vocab_size=200,
+    tied, vocab = request.param
+    return save_tiny_model(tmp_path_factory.mktemp("m"), "qwen2", seed=5, tied=tied, vocab_size=vocab,
                            max_position_embeddings=64)
+
+
+def _vocab(model_dir: Path) -> int:
+    import json
+
+    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
 
 
 def run(model_dir: Path, out: Path, tp: int, env: dict) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp), "--master_port",
-           str(free_port()), str(WORKER), str(model_dir), str(out), str(tp)]
+           str(free_port()), str(WORKER), str(model_dir), str(out), str(tp), str(_vocab(model_dir))]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return [torch.load(out / f"rank_{i}.pt", weights_only=False) for i in range(tp)]
@@ -37,7 +45,7 @@ def oracle(model_dir: Path, temperature: float) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float64)
-    b = fixed_batch()
+    b = fixed_batch(_vocab(model_dir))
     logp = torch.log_softmax(model(b.input_ids).logits[:, :-1] / temperature, -1)
     lp = logp.gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1)

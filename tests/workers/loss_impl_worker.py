@@ -1,7 +1,7 @@
 """Run under torchrun by tests/test_actor_loss_impl.py: for each actor.loss_impl x temperature, a fresh
 actor computes pi_old logprobs + entropy and takes one update on a fixed batch; results saved per rank.
 
-    torchrun --nproc_per_node N tests/workers/loss_impl_worker.py HF_DIR OUT_DIR TP
+    torchrun --nproc_per_node N tests/workers/loss_impl_worker.py HF_DIR OUT_DIR TP VOCAB
 """
 
 import sys
@@ -15,14 +15,15 @@ from megatron_dapo.config import Config
 from megatron_dapo.types import TrainBatch
 
 VOCAB = 200  # padded to 256 by Megatron: at TP2 rank 1 holds 72 real columns and 56 of padding
+"""(A vocab of 100 also pads to 256 at TP2: rank 1's shard is padding only.)"""
 CASES = [("logits", 1.0), ("linear", 1.0), ("logits", 0.7), ("linear", 0.7)]
 
 
-def fixed_batch() -> TrainBatch:
+def fixed_batch(vocab: int = VOCAB) -> TrainBatch:
     g = torch.Generator().manual_seed(4321)
     lengths = torch.tensor([14, 9, 12, 6, 14, 10])
     b, s = len(lengths), int(lengths.max())
-    ids = torch.randint(0, VOCAB, (b, s), generator=g)
+    ids = torch.randint(0, vocab, (b, s), generator=g)
     mask = torch.zeros(b, s)
     for i, n in enumerate(lengths.tolist()):
         ids[i, n:] = 0
@@ -33,7 +34,7 @@ def fixed_batch() -> TrainBatch:
                       old_logprobs=old_shift)  # the test adds this shift to the oracle's logprobs
 
 
-def run_case(hf_dir: str, tp: int, impl: str, temperature: float) -> dict:
+def run_case(hf_dir: str, tp: int, vocab: int, impl: str, temperature: float) -> dict:
     cfg = Config()
     cfg.parallel.tensor_parallel = tp
     cfg.model.dtype = "float32"
@@ -43,7 +44,7 @@ def run_case(hf_dir: str, tp: int, impl: str, temperature: float) -> dict:
     cfg.actor.micro_batch_tokens = 40  # several micro-batches
     cfg.actor.logprob_micro_batch_tokens = 30
     actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor, temperature=temperature)
-    batch = fixed_batch()
+    batch = fixed_batch(vocab)
     shift = batch.old_logprobs
     lp, ent = actor.compute_logprobs(batch)
     batch.old_logprobs = lp + shift
@@ -53,11 +54,11 @@ def run_case(hf_dir: str, tp: int, impl: str, temperature: float) -> dict:
 
 
 def main() -> None:
-    hf_dir, out, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    hf_dir, out, tp, vocab = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     cfg = Config()
     cfg.parallel.tensor_parallel = tp
     parallel.initialize(cfg.parallel, seed=3)
-    results = {f"{impl}@{t}": run_case(hf_dir, tp, impl, t) for impl, t in CASES}
+    results = {f"{impl}@{t}": run_case(hf_dir, tp, vocab, impl, t) for impl, t in CASES}
     torch.save(results, f"{out}/rank_{parallel.global_rank()}.pt")
     parallel.destroy()
 
