@@ -188,6 +188,11 @@ def dp_group():
     return _ps().get_data_parallel_group()
 
 
+def mp_group():
+    """The tensor x pipeline ranks of this data-parallel replica (they train on the same rows)."""
+    return _ps().get_model_parallel_group()
+
+
 def dp_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum `t` over the data-parallel ranks in place (a collective when DP > 1); returns it."""
     if dist.is_initialized() and dp_size() > 1:

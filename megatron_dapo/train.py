@@ -51,22 +51,27 @@ def train(cfg: Config) -> dict[str, float]:
 def dapo_step(run: RunState, step: int) -> dict[str, float]:
     """One DAPO step: rollout -> rewards -> dynamic sampling -> advantages -> pi_old -> updates -> sync."""
     cfg, timer, t_step = run.cfg, run.timer, time.perf_counter()
+    run.phases.generate()
     with timer("rollout"):  # (generation and reward scoring happen round by round)
         rollout: StepRollout | None = None
         if run.is_driver:
             rollout = collect_step(run.engine, run.tokenizer, run.next_prompts, target_groups=cfg.train.prompt_batch_size,
                                    algo=cfg.algo, reward=cfg.reward, max_response_len=cfg.rollout.max_response_len,
                                    sampling=lambda r: step_sampling(cfg, step, r, run.eos_ids))
-        rollout = distribute.share(rollout)
-    timer.move("rollout", "reward", rollout.reward_seconds)
-    run.samples_generated += sum(len(g.samples) for g in rollout.generated)
-    groups = distribute.trainable(rollout.groups, run.num_mini_batches)
-    out = scalars.rollout_scalars(rollout, samples_total=run.samples_generated, groups_trained=len(groups))
-    if not groups:
+        rows = distribute.step_rows(rollout, num_mini_batches=run.num_mini_batches,
+                                    overlong_filtering=cfg.algo.overlong_filtering, pad_id=run.tokenizer.pad_token_id or 0)
+    timer.move("rollout", "reward", rollout.reward_seconds if rollout is not None else 0.0)
+    run.samples_generated += rows.samples_generated
+    out = {"rollout/samples_total": float(run.samples_generated), "rollout/groups_trained": float(rows.groups_trained)}
+    if rollout is not None:  # the driver has every sample: the all-sample monitors are computed there
+        out.update(scalars.rollout_scalars(rollout, samples_total=run.samples_generated,
+                                           groups_trained=rows.groups_trained))
+    out.update({"perf/rollout_bytes_total": float(rows.bytes_total),
+                "perf/rollout_bytes_max_recv": float(distribute.max_received(rows))})
+    batch = rows.batch
+    if batch is None:
         log.warning("step %d: no informative group to train on; skipping the update", step)
         return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, 0, None)}
-    batch = distribute.local_batch(groups, overlong_filtering=cfg.algo.overlong_filtering,
-                                   pad_id=run.tokenizer.pad_token_id or 0)
     run.phases.train()
     with timer("old_logprob"):
         batch.old_logprobs, entropy = old_logprobs(run.actor, batch, cfg.algo)
@@ -76,12 +81,14 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     with timer("weight_sync"):
         sync = run.phases.sync()
     out.update(scalars.update_scalars(update, parallel.dp_sum(scalars.token_sums(batch, entropy))))
+    out.update(run.phases.ledger)
     tokens = int(batch.lengths.sum())
     return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, tokens, sync.bytes)}
 
 
 def validate_policy(run: RunState) -> dict[str, float]:
     """avg@k on the validation prompts (driver only; other ranks return nothing)."""
+    run.phases.generate()
     if not run.is_driver:
         return {}
     return evaluate(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids)

@@ -18,7 +18,10 @@ TAGS = [
     "actor/clipfrac_high", "actor/clipfrac_low", "actor/grad_norm", "actor/lr", "rollout/gen_rounds",
     "rollout/kept_group_frac", "rollout/train_rollout_logprob_absdiff", "val/acc_avg_at_k",
     "timing/rollout_s", "timing/reward_s", "timing/old_logprob_s", "timing/update_s", "timing/weight_sync_s",
-    "timing/step_s", "perf/tokens_per_s", "perf/weight_sync_bytes",
+    "timing/step_s", "perf/tokens_per_s", "perf/weight_sync_bytes", "perf/rollout_bytes_total",
+    "perf/rollout_bytes_max_recv", "memory/actor_bytes_generate", "memory/actor_bytes_train", "memory/actor_bytes_sync",
+    "memory/engine_bytes_generate", "memory/engine_bytes_train", "memory/engine_bytes_sync",
+    "memory/actor_asleep_in_generate",
 ]
 # The test base is trained for seconds and may answer nothing right on a busy machine: the paper's accuracy
 # filter would then keep no group (no update, no actor/* monitors); the score filter keeps length-shaped ones.

@@ -5,6 +5,8 @@ expert parallel)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -286,3 +288,30 @@ def build_model(spec: ModelSpec, model_cfg: ModelConfig, par: ParallelConfig, *,
         parallel_output=True, share_embeddings_and_output_weights=spec.tied_embeddings,
         position_embedding_type="rope", rotary_base=int(spec.rope_theta), rotary_percent=1.0)
     return model.to(parallel.device())
+
+
+def output_weight(model: Any) -> torch.Tensor:
+    """The last stage's output-layer weight [V_padded / TP, H] (the word embeddings when tied)."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def _hidden_passthrough(hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):
+    return hidden_states, None
+
+
+@contextmanager
+def final_hidden_states(model: Any) -> Iterator[None]:
+    """Inside, the last pipeline stage returns its final (normed) hidden states [b, s, H] instead of
+    logits: the output layer is skipped so that the loss can fuse it (kernels.linear_logprobs_and_entropy).
+    Other stages are unchanged. Not with sequence parallelism (the hidden states are sequence-sharded)."""
+    layer = getattr(model, "output_layer", None) if model.post_process else None
+    if layer is None:
+        yield
+        return
+    layer.forward = _hidden_passthrough  # an instance attribute shadows the class's forward
+    try:
+        yield
+    finally:
+        del layer.forward

@@ -72,6 +72,16 @@ class ActorConfig:
     """Token budget of one micro-batch when computing pi_old log-probs."""
     offload_when_idle: bool = True
     """Colocated mode: move params/grads/optimizer state to CPU while the rollout holds the GPU."""
+    loss_impl: Literal["auto", "logits", "linear"] = "auto"
+    """How the loss reads the model: logits = the output layer's logits in the model's dtype, streamed
+    through the fused kernels (no fp32 copy); linear = final hidden states + the output weight fused into
+    the kernels (no logits tensor at all); auto = linear, or logits with parallel.sequence_parallel."""
+
+    def resolved_loss_impl(self, sequence_parallel: bool) -> str:
+        """"logits" or "linear": auto is linear unless the hidden states are sequence-sharded."""
+        if self.loss_impl == "auto":
+            return "logits" if sequence_parallel else "linear"
+        return self.loss_impl
 
 
 @dataclass(kw_only=True)

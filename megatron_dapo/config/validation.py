@@ -60,6 +60,8 @@ def _problems(cfg: Config) -> list[str]:
         p.append("actor.optimizer: warmup_steps, grad_clip and weight_decay must be >= 0")
     if cfg.parallel.sequence_parallel and cfg.parallel.tensor_parallel == 1:
         p.append("parallel.sequence_parallel needs parallel.tensor_parallel > 1")
+    if cfg.parallel.sequence_parallel and cfg.actor.loss_impl == "linear":
+        p.append("actor.loss_impl=linear does not support parallel.sequence_parallel (use logits or auto)")
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not os.path.isdir(resume):
         p.append(f"checkpoint.resume={resume!r} must be auto, none or an existing checkpoint folder")

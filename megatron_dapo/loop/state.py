@@ -82,6 +82,7 @@ class RunState:
     def save(self, step: int) -> None:
         state = {"data": self.prompts.state_dict() if self.prompts else None, "alarms": self.alarms.state_dict(),
                  "samples_generated": self.samples_generated, "config": to_dict(self.cfg)}
+        self.phases.train()  # the actor's state on its device (it may sleep through the rollout)
         save_checkpoint(self.actor, self.ckpt_root, step, trainer_state=state, keep_last=self.cfg.checkpoint.keep_last,
                         hf_dir=self.hf_dir)
 
@@ -106,6 +107,7 @@ class RunState:
         if self.cfg.checkpoint.export_hf:
             from megatron_dapo.actor.hf_io import save_hf_checkpoint
 
+            self.phases.train()
             out = save_hf_checkpoint(self.actor.module, self.actor.spec, self.ckpt_root / "hf_final", self.hf_dir)
             if self.is_driver:
                 log.info("exported the final policy in Hugging Face format to %s", out)
@@ -138,7 +140,7 @@ def build_run(cfg: Config) -> RunState:
     engine = servers.engine if servers is not None else _embedded_engine(hf_dir) if driver else None
     run = RunState(
         cfg=cfg, actor=actor, tokenizer=AutoTokenizer.from_pretrained(hf_dir), engine=engine,
-        phases=Phases(actor, engine, cfg.rollout.colocate),
+        phases=Phases(actor, engine, cfg.rollout.colocate, cfg.actor.offload_when_idle),
         prompts=_train_prompts(cfg) if driver else None,
         val_prompts=_val_prompts(cfg) if driver else [],
         writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver),

@@ -7,7 +7,8 @@ import math
 from typing import TYPE_CHECKING
 
 from megatron_dapo.config import Config, ConfigError, data_parallel_size, validate
-from megatron_dapo.plan.core import (Hardware, IdleActor, Layout, ModelSummary, Plan, RolloutPhase,
+from megatron_dapo.loop.phase_model import phase_model
+from megatron_dapo.plan.core import (Hardware, IdleActor, Layout, ModelSummary, PhaseMemory, Plan, RolloutPhase,
                                      SGLangPool, StageMemory, TokenBudget, TrainPhase, fmt_gib)
 from megatron_dapo.plan.memory import (activated_params, actor_bytes, kv_bytes_per_token, params_dtype,
                                        stage_activations, stage_expert_params, stage_params, total_params)
@@ -21,8 +22,9 @@ def make_plan(cfg: Config, spec: ModelSpec, hw: Hardware, *, model_source: str =
     layout = _layout(cfg, spec, hw)
     train = _train_phase(cfg, spec, hw, layout.dp)
     rollout = _rollout_phase(cfg, spec, hw, train.worst, rollout_concurrency)
+    phases = phase_memory(cfg, hw, train.worst, rollout)
     problems = [*_config_problems(cfg, spec, hw), *_train_problems(cfg, train.worst, hw),
-                *_rollout_problems(cfg, spec, hw, rollout)]
+                *_rollout_problems(cfg, spec, hw, rollout), *_phase_problems(cfg, hw, phases)]
     warnings = [*_tp_warnings(cfg, hw), *_rollout_warnings(cfg)]
     moe = spec.moe
     model = ModelSummary(source=model_source, params=total_params(spec), activated_params=activated_params(spec),
@@ -32,7 +34,20 @@ def make_plan(cfg: Config, spec: ModelSpec, hw: Hardware, *, model_source: str =
                          vocab_padded=spec.padded_vocab_size(layout.tp), tied_embeddings=spec.tied_embeddings,
                          experts=moe.num_experts if moe else 0, experts_per_token=moe.top_k if moe else 0)
     return Plan(config=config_name, hardware=hw, model=model, layout=layout, train=train, rollout=rollout,
-                tokens=_tokens(cfg, layout.dp), problems=tuple(problems), warnings=tuple(warnings))
+                tokens=_tokens(cfg, layout.dp), phases=phases, problems=tuple(problems), warnings=tuple(warnings))
+
+
+def phase_memory(cfg: Config, hw: Hardware, worst: StageMemory, rollout: RolloutPhase) -> tuple[PhaseMemory, ...]:
+    """Every phase of the phase model (loop/phase_model.py, what the trainer follows) on one GPU of the
+    worst stage: the components the model puts on the device, sized. The engine is sized for colocated
+    SGLang only (the embedded engine is the CPU test bed; a separate fleet is not on these GPUs)."""
+    model = phase_model(colocate=cfg.rollout.colocate, offload_when_idle=cfg.actor.offload_when_idle)
+    actor = worst.components
+    engine = rollout.sglang.components if rollout.sglang is not None and rollout.colocate else {}
+    return tuple(PhaseMemory(name=p.name, reserve=hw.reserve_bytes,
+                             actor={c: actor[c] for c in p.actor + p.actor_transient},
+                             engine={c: engine[c] for c in p.engine if c in engine})
+                 for p in model.values())
 
 
 def _layout(cfg: Config, spec: ModelSpec, hw: Hardware) -> Layout:
@@ -152,8 +167,10 @@ def _rollout_phase(cfg: Config, spec: ModelSpec, hw: Hardware, worst: StageMemor
     pool = _sglang_pool(cfg, spec, hw, concurrency)
     if not r.colocate:
         return RolloutPhase(engine=r.engine, colocate=r.colocate, sglang=pool)
-    offload = cfg.actor.offload_when_idle
-    actor = IdleActor(resident=0.0 if offload else worst.state, offloaded=offload,
+    idle = phase_model(colocate=True, offload_when_idle=cfg.actor.offload_when_idle)["generate"].actor
+    resident = sum(worst.components[c] for c in idle)
+    offload = not idle
+    actor = IdleActor(resident=resident, offloaded=offload,
                       host_offload_per_node=worst.state * hw.gpus_per_node if offload else 0.0)
     return RolloutPhase(engine=r.engine, colocate=r.colocate, sglang=pool, actor=actor,
                         reserve=hw.reserve_bytes)
@@ -162,8 +179,7 @@ def _rollout_phase(cfg: Config, spec: ModelSpec, hw: Hardware, worst: StageMemor
 def _rollout_problems(cfg: Config, spec: ModelSpec, hw: Hardware, rollout: RolloutPhase) -> list[str]:
     if rollout.sglang is None:
         return []
-    return [*_sglang_layout_problems(cfg, spec, hw), *_kv_pool_problems(cfg, hw, rollout.sglang),
-            *_rollout_memory_problems(cfg, hw, rollout)]
+    return [*_sglang_layout_problems(cfg, spec, hw), *_kv_pool_problems(cfg, hw, rollout.sglang)]
 
 
 def _sglang_layout_problems(cfg: Config, spec: ModelSpec, hw: Hardware) -> list[str]:
@@ -205,15 +221,18 @@ def _kv_pool_problems(cfg: Config, hw: Hardware, pool: SGLangPool) -> list[str]:
     return problems
 
 
-def _rollout_memory_problems(cfg: Config, hw: Hardware, rollout: RolloutPhase) -> list[str]:
-    phase = rollout.phase()
-    if phase is None or rollout.actor is None or phase.total <= hw.budget_bytes:
-        return []
-    resident = fmt_gib(rollout.actor.resident)
-    return [f"rollout phase needs {fmt_gib(phase.total)} GiB per GPU > {hw.limit_text} "
-            f"(SGLang {cfg.rollout.sglang.mem_fraction_static} x {hw.gpu_mem_gib:g} + actor resident "
-            f"{resident}{'' if rollout.actor.offloaded else ' (actor.offload_when_idle=false)'} + reserve "
-            f"{fmt_gib(rollout.reserve)})"]
+def _phase_problems(cfg: Config, hw: Hardware, phases: tuple[PhaseMemory, ...]) -> list[str]:
+    """generate and sync over the budget (train has its own, more specific message)."""
+    problems = []
+    for p in phases:
+        if p.name == "train" or not p.engine or p.total <= hw.budget_bytes:
+            continue
+        parts = [f"{side} {name} {fmt_gib(v)}" for side, comp in (("actor", p.actor), ("engine", p.engine))
+                 for name, v in comp.items()]
+        hint = " (actor.offload_when_idle=false)" if p.name == "generate" and p.actor else ""
+        problems.append(f"{p.name} phase needs {fmt_gib(p.total)} GiB per GPU > {hw.limit_text} "
+                        f"({' + '.join(parts)} + reserve {fmt_gib(p.reserve)}){hint}")
+    return problems
 
 
 def _rollout_warnings(cfg: Config) -> list[str]:

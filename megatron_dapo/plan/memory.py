@@ -26,12 +26,17 @@ not counted.
        recompute full: layers_stage x in-flight x a x T x h / (TP if SP else 1) + 2 A(T)
            (checkpointed layer inputs + one layer recomputed in backward, with its gradients)
        in-flight micro-batches on stage i = PP - i (1F1B)
-       last stage: logits T x V_padded / TP x a, plus their gradient (a) when training (the
-           streaming logprob kernels keep no fp32 [T, V] copy)
-       logprob pass (forward only): A(T_lp) + logits(T_lp)
+       last stage, the loss (actor.loss_impl, auto = linear unless sequence parallel):
+         logits: logits T x V_padded / TP x a, plus their transposed copy / their gradient (a) when
+           training (the streaming kernels keep no fp32 [T, V] copy, the gradient overwrites them)
+         linear: no logits tensor; one token chunk of them (<= 2 GiB, LINEAR_CHUNK_BYTES of
+           kernels/linear_logprobs.py) and the fp32 output-weight gradient 4 B x V_padded / TP x h
+       logprob pass (forward only): A(T_lp) + the loss's forward part at T_lp
     reserve      --reserve-gb: CUDA contexts (trainer, the sleeping SGLang server), NCCL buffers
-  rollout phase (colocated SGLang awake; actor.offload_when_idle moves weights, grads and optimizer
+  generate phase (colocated SGLang awake; actor.offload_when_idle moves weights, grads and optimizer
   state to host memory, else they stay) = mem_fraction_static x GPU + actor resident + reserve
+  sync phase = actor weights + main grads + optimizer + SGLang weights (no KV cache) + reserve
+  (which components each phase holds: loop/phase_model.py, the table the trainer follows too)
     SGLang static pool = engine weights (2 B x params / sglang TP) + KV pool
     KV bytes per token per GPU = 2 (K, V) x layers x KV heads per GPU x head_dim x 2 B (bf16)
        (KV heads per GPU = kv_heads / sglang TP, at least 1: replicated when TP > kv_heads)
@@ -159,8 +164,22 @@ def layer_activation_bytes(spec: ModelSpec, tokens: int, tp: int, seq_parallel: 
     return act_bytes * tokens * (sharded / tp + replicated / (tp if seq_parallel else 1))
 
 
+LINEAR_CHUNK_BYTES = 2 << 30
+"""kernels/linear_logprobs.LINEAR_CHUNK_BYTES["cuda"] (not imported: the planner needs no torch)."""
+
+
 def logits_bytes(spec: ModelSpec, tokens: int, tp: int, act_bytes: int, *, with_grad: bool) -> float:
     return tokens * spec.padded_vocab_size(tp) / tp * act_bytes * (2 if with_grad else 1)
+
+
+def loss_bytes(spec: ModelSpec, cfg: Config, tokens: int, *, with_grad: bool) -> float:
+    """The loss's working set on the last stage (see the module docstring)."""
+    tp, a = cfg.parallel.tensor_parallel, activation_bytes(cfg)
+    if cfg.actor.resolved_loss_impl(cfg.parallel.sequence_parallel) == "logits":
+        return logits_bytes(spec, tokens, tp, a, with_grad=with_grad)
+    chunk = min(logits_bytes(spec, tokens, tp, a, with_grad=False), LINEAR_CHUNK_BYTES)
+    weight_grad = 4 * spec.padded_vocab_size(tp) / tp * spec.hidden_size if with_grad else 0.0
+    return chunk + weight_grad
 
 
 def stage_activations(spec: ModelSpec, cfg: Config, stage: int) -> StageActivations:
@@ -177,9 +196,9 @@ def stage_activations(spec: ModelSpec, cfg: Config, stage: int) -> StageActivati
         kept = layers * in_flight * a * t_train * spec.hidden_size / (tp if sp else 1) + 2 * one_layer
     else:
         kept = layers * in_flight * one_layer + one_layer
-    train = kept + (logits_bytes(spec, t_train, tp, a, with_grad=True) if last else 0.0)
+    train = kept + (loss_bytes(spec, cfg, t_train, with_grad=True) if last else 0.0)
     logprob = layer_activation_bytes(spec, t_lp, tp, sp, a) + (
-        logits_bytes(spec, t_lp, tp, a, with_grad=False) if last else 0.0)
+        loss_bytes(spec, cfg, t_lp, with_grad=False) if last else 0.0)
     return StageActivations(train=train, logprob=logprob, train_tokens=t_train, logprob_tokens=t_lp)
 
 

@@ -23,6 +23,20 @@ from megatron_dapo.config import RolloutConfig
 from megatron_dapo.types import Sample
 
 
+MEMORY_TAGS = ("weights", "kv_cache")
+"""What an engine releases and resumes separately (SGLang's memory tags): sleep/wake(tags=None) = all."""
+
+
+def check_tags(tags: Sequence[str] | None) -> tuple[str, ...]:
+    """The tags a sleep/wake call means (None = all); an unknown tag is a ValueError."""
+    if tags is None:
+        return MEMORY_TAGS
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad:
+        raise ValueError(f"unknown memory tags {bad}; valid: {', '.join(MEMORY_TAGS)}")
+    return tuple(t for t in MEMORY_TAGS if t in tags)
+
+
 class EngineStateError(RuntimeError):
     """The engine cannot serve the call in its current state (asleep, shut down, busy)."""
 
@@ -104,12 +118,19 @@ class RolloutEngine(ABC):
         """
 
     @abstractmethod
-    def sleep(self) -> None:
-        """Release device memory for training (colocated mode); generate refuses until wake()."""
+    def sleep(self, tags: Sequence[str] | None = None) -> None:
+        """Release device memory for training (colocated mode); generate refuses until all is awake.
+        `tags` (MEMORY_TAGS): release only those; None = everything."""
 
     @abstractmethod
-    def wake(self) -> None:
-        """Retake the memory released by sleep()."""
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Retake the memory released by sleep(): only `tags` (e.g. the weights, to take new ones before
+        the KV cache comes back), None = everything still released."""
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes the engine holds on its device(s) now, by memory tag (released ones: 0); {} = unknown.
+        For the phase ledger: what the colocated engine occupies next to the actor."""
+        return {}
 
     @abstractmethod
     def abort(self) -> None:

@@ -26,12 +26,14 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.generation.logits_process import TopPLogitsWarper
 
+from megatron_dapo.offload import HostOffload, device_bytes, own_storage
 from megatron_dapo.rollout.base import (
     EngineStateError,
     GenerationAborted,
     RolloutEngine,
     SamplingParams,
     check_prompts,
+    check_tags,
 )
 from megatron_dapo.rollout.checkpoint_names import checkpoint_views
 from megatron_dapo.rollout.decoders import Decoder, HFDecoder, LlamaDecoder, llama_fast_path_ok
@@ -119,6 +121,7 @@ class EmbeddedEngine(RolloutEngine):
                              f"got {model.config.model_type!r}")
         self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=dtype).eval()
+        own_storage(self.model.parameters())  # sleep() frees their memory in place
         self.max_batch_tokens = max_batch_tokens
         use_fast = llama_fast_path_ok(model) if fast_path is None else fast_path
         self._decoder_cls: type[LlamaDecoder] | type[HFDecoder] = LlamaDecoder if use_fast else HFDecoder
@@ -126,7 +129,9 @@ class EmbeddedEngine(RolloutEngine):
         self._eos = _eos_ids(model)
         self._busy = threading.Lock()
         self._abort = threading.Event()
-        self._asleep = self._closed = False
+        self._closed = False
+        self._released: set[str] = set()  # memory tags released by sleep()
+        self._offload = HostOffload()  # the weights while released (the KV cache lives inside generate())
 
     # ---------------------------------------------------------------------------------- generate
 
@@ -208,6 +213,8 @@ class EmbeddedEngine(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         with self._busy, torch.no_grad():
             self._check_open()
+            if "weights" in self._released:
+                raise EngineStateError("EmbeddedEngine: its weights are released: wake() them before update_weights()")
             for name, tensor in named_tensors:
                 param = self._params.get(name)
                 if param is None:
@@ -219,21 +226,31 @@ class EmbeddedEngine(RolloutEngine):
                                      f"the engine's parameter has {tuple(param.shape)}")
                 param.copy_(tensor)
 
-    def sleep(self) -> None:
-        """On an accelerator, weights move to host memory and the cache allocator is emptied."""
+    def sleep(self, tags: Sequence[str] | None = None) -> None:
+        """"weights": their storage moves to a host copy (also on CPU: a distinct allocation), the
+        device's cache allocator is emptied; "kv_cache": nothing is held between calls to release."""
         with self._busy:
             self._check_open()
-            if self.device.type != "cpu" and not self._asleep:
-                self.model.to("cpu")
-                getattr(torch, self.device.type).empty_cache()
-            self._asleep = True
+            tags = set(check_tags(tags)) - self._released
+            if "weights" in tags:
+                self._offload.offload({"weights": self.model.parameters()})
+                if self.device.type != "cpu":
+                    getattr(torch, self.device.type).empty_cache()
+            self._released |= tags
 
-    def wake(self) -> None:
+    def wake(self, tags: Sequence[str] | None = None) -> None:
         with self._busy:
             self._check_open()
-            if self.device.type != "cpu" and self._asleep:
-                self.model.to(self.device)
-            self._asleep = False
+            tags = set(check_tags(tags)) & self._released
+            if "weights" in tags:
+                self._offload.reload()
+            self._released -= tags
+
+    def resident_bytes(self) -> dict[str, int]:
+        """The weights' bytes on the device ("kv_cache": 0, it is allocated inside generate() only)."""
+        if self._closed:
+            return {"weights": 0, "kv_cache": 0}
+        return {**device_bytes({"weights": self.model.parameters()}, self.device), "kv_cache": 0}
 
     def abort(self) -> None:
         """Checked between decode steps: a running generate raises GenerationAborted; else no-op."""
@@ -263,6 +280,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def _check_ready(self) -> None:
         self._check_open()
-        if self._asleep:
-            raise EngineStateError("EmbeddedEngine is asleep: call wake() before generate()")
+        if self._released:
+            raise EngineStateError(f"EmbeddedEngine is asleep ({', '.join(sorted(self._released))} released): "
+                                   "call wake() before generate()")
 

@@ -147,11 +147,15 @@ class EngineGroup(RolloutEngine):
             raise EngineGroupError(f"{what} failed on rollout engine {name}: {e}") from e
         return results
 
-    def sleep(self) -> None:
-        self._all(lambda e: e.sleep(), "sleep")
+    def sleep(self, tags: Sequence[str] | None = None) -> None:
+        self._all(lambda e: e.sleep() if tags is None else e.sleep(tags), "sleep")
 
-    def wake(self) -> None:
-        self._all(lambda e: e.wake(), "wake")
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        self._all(lambda e: e.wake() if tags is None else e.wake(tags), "wake")
+
+    def resident_bytes(self) -> dict[str, int]:
+        """The first engine's: the one on the driver's devices, next to its actor shard."""
+        return self.engines[0].resident_bytes()
 
     def abort(self) -> None:
         self._all(lambda e: e.abort(), "abort")

@@ -26,9 +26,9 @@ def aot_signature(kernel, logits_type: str) -> dict[str, str]:
             return logits_type
         if name.endswith("_ptr"):
             return {"tgt_ptr": "*i64", "clip_ptr": "*i8"}.get(name, "*fp32")
-        return (
-            "i64" if "stride_a" in name or "stride_b" in name else "fp32" if name.startswith(("eps", "clip_ratio")) else "i32"
-        )
+        if "stride_a" in name or "stride_b" in name:
+            return "i64"
+        return "fp32" if name.startswith(("eps", "clip_ratio")) or name == "inv_temp" else "i32"
 
     return {p.name: "constexpr" if p.is_constexpr else arg_type(p.name) for p in kernel.params}
 

@@ -57,8 +57,9 @@ from megatron_dapo.rollout.base import (
     RolloutEngine,
     SamplingParams,
     check_prompts,
+    check_tags,
 )
-from megatron_dapo.rollout.sglang.server import SGLangServer
+from megatron_dapo.rollout.sglang.server import SGLangServer, SGLangServerError
 from megatron_dapo.rollout.sglang.transport import WeightBroadcastGroup, serialized_bucket
 from megatron_dapo.rollout.sglang.wire import (
     cut_at_stop,
@@ -124,7 +125,9 @@ class SGLangEngine(SGLangServer, RolloutEngine):
     ) -> None:
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._shapes = checkpoint_shapes(str(model_path))
-        self._asleep = False
+        self._released: set[str] = set()  # memory tags released (see sleep)
+        self._tags_ok = True  # the server takes memory tags (SGLang >= 0.4.6); else whole release only
+        self._memory_sizes: dict[str, int] | None = None
         self._abort = threading.Event()
         self._versions = itertools.count(1)
         self.last_update = WeightUpdateStats()
@@ -144,7 +147,7 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
     ) -> list[list[Sample]]:
         check_prompts(prompt_token_ids, n)
-        if self._asleep:
+        if self._released:
             raise EngineStateError(f"SGLang engine {self.url} is asleep: call wake() before generate()")
         if not prompt_token_ids:
             return []
@@ -192,17 +195,57 @@ class SGLangEngine(SGLangServer, RolloutEngine):
 
     @property
     def asleep(self) -> bool:
-        return self._asleep
+        return bool(self._released)
 
-    def sleep(self) -> None:
-        if not self._asleep:
+    @property
+    def weights_released(self) -> bool:
+        return "weights" in self._released
+
+    # SGLang's own memory types; a whole release ({} = no tags) frees all of them, the CUDA graphs too
+    SERVER_MEMORY_TYPES = ("weights", "kv_cache", "cuda_graph")
+
+    def sleep(self, tags: Sequence[str] | None = None) -> None:
+        """/release_memory_occupation: everything (tags=None), or only the tagged regions."""
+        new = set(check_tags(tags)) - self._released
+        if not new:
+            return
+        if tags is None or not self._tags_ok:
             self.post("/release_memory_occupation", {}, timeout=600)
-            self._asleep = True
+            self._released = set(self.SERVER_MEMORY_TYPES)
+            return
+        self.post("/release_memory_occupation", {"tags": sorted(new)}, timeout=600)
+        self._released |= new
 
-    def wake(self) -> None:
-        if self._asleep:
-            self.post("/resume_memory_occupation", {}, timeout=600)
-            self._asleep = False
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """/resume_memory_occupation of `tags` (None: everything still released). A server that refuses
+        tags gets one whole resume instead (the old, weights-and-KV-together protocol)."""
+        todo = (set(self._released) if tags is None else set(check_tags(tags))) & self._released
+        if not todo:
+            return
+        if self._tags_ok and todo != set(self.SERVER_MEMORY_TYPES):
+            try:
+                self.post("/resume_memory_occupation", {"tags": sorted(todo)}, timeout=600)
+                self._released -= todo
+                return
+            except SGLangServerError:
+                if self.dead_reason() is not None:
+                    raise
+                self._tags_ok = False
+        self.post("/resume_memory_occupation", {}, timeout=600)
+        self._released.clear()
+
+    def resident_bytes(self) -> dict[str, int]:
+        """SGLang's own sizes of its weights and KV pool (/server_info memory_usage, GB at load time),
+        0 for the released ones; {} when the server does not report them."""
+        if self._memory_sizes is None:
+            try:
+                info = self.call("GET", "/server_info", None, timeout=60)
+                usage = info["internal_states"][0]["memory_usage"]
+                self._memory_sizes = {"weights": max(int(usage["weight"] * 2**30), 0),
+                                      "kv_cache": max(int(usage["kvcache"] * 2**30), 0)}
+            except (SGLangServerError, KeyError, IndexError, TypeError):
+                self._memory_sizes = {}
+        return {tag: 0 if tag in self._released else n for tag, n in self._memory_sizes.items()}
 
     # ------------------------------------------------------------------------- weight updates
 
@@ -232,8 +275,9 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         transport = transport or self.cfg.weight_sync
         if transport not in ("tensor", "distributed", "disk"):
             raise ValueError(f"unknown weight transport {transport!r} (tensor, distributed, disk)")
-        if self._asleep and self.device == "cuda":
-            raise EngineStateError(f"SGLang engine {self.url} is asleep: wake() it before update_weights()")
+        if self.weights_released and self.device == "cuda":
+            raise EngineStateError(f"SGLang engine {self.url}: its weights are released: wake() them before "
+                                   "update_weights()")
         version = str(next(self._versions))
         stats = WeightUpdateStats(transport=transport)
         start = time.perf_counter()
