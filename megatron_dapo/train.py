@@ -29,13 +29,13 @@ def train(cfg: Config) -> dict[str, float]:
     run = build_run(cfg)
     out: dict[str, float] = {}
     if run.start_step == 0 and run.wants_eval(0):
-        write(run, 0, validate_policy(run))
+        write(run, 0, validate_policy(run, 0))
     bar = progress(range(run.start_step + 1, cfg.train.steps + 1), enabled=run.is_driver)
     for step in bar:
         out = dapo_step(run, step)
         last = run.budget_spent()
         if run.wants_eval(step) or (last and run.val_prompts):
-            out.update(validate_policy(run))
+            out.update(validate_policy(run, step))
         write(run, step, out, bar)
         if run.wants_checkpoint(step) or last:
             run.save(step)
@@ -55,13 +55,15 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
         rollout: StepRollout | None = None
         if run.is_driver:
             rollout = collect_step(run.engine, run.tokenizer, run.next_prompts, target_groups=cfg.train.prompt_batch_size,
-                                   algo=cfg.algo, reward=cfg.reward, max_response_len=cfg.rollout.max_response_len,
+                                   algo=cfg.algo, scorer=run.scorer,
                                    sampling=lambda r: step_sampling(cfg, step, r, run.eos_ids))
         rollout = distribute.share(rollout)
     timer.move("rollout", "reward", rollout.reward_seconds)
     run.samples_generated += sum(len(g.samples) for g in rollout.generated)
+    run.write_samples(step, "train", rollout.generated)
     groups = distribute.trainable(rollout.groups, run.num_mini_batches)
-    out = scalars.rollout_scalars(rollout, samples_total=run.samples_generated, groups_trained=len(groups))
+    out = {**scalars.rollout_scalars(rollout, samples_total=run.samples_generated, groups_trained=len(groups)),
+           **rollout.monitors()}
     if not groups:
         log.warning("step %d: no informative group to train on; skipping the update", step)
         return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, 0, None)}
@@ -80,11 +82,13 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, tokens, sync.bytes)}
 
 
-def validate_policy(run: RunState) -> dict[str, float]:
-    """avg@k on the validation prompts (driver only; other ranks return nothing)."""
+def validate_policy(run: RunState, step: int) -> dict[str, float]:
+    """avg@k, pass@k, maj@k on the validation prompts (driver only; other ranks return nothing)."""
     if not run.is_driver:
         return {}
-    return evaluate(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids)
+    result = evaluate(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids, run.scorer)
+    run.write_samples(step, "val", result.groups)
+    return {**result.val_scalars(), "timing/eval_s": result.seconds}
 
 
 def write(run: RunState, step: int, values: dict[str, float], bar=None) -> None:
@@ -99,7 +103,7 @@ def write(run: RunState, step: int, values: dict[str, float], bar=None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser("Train a policy with DAPO.")
     parser.add_argument("--dry-run", action="store_true", help="resolve and check the config, then exit")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before or after flags
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_third_party()
     try:
