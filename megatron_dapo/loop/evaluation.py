@@ -26,12 +26,12 @@ from megatron_dapo.types import Group, Prompt, Sample
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (Chen et al. 2021, eq. 1; the stable product form)."""
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021, eq. 1),
+    in exact integer arithmetic up to the final division."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+    total = math.comb(n, k)
+    return (total - math.comb(n - c, k)) / total
 
 
 def pass_ks(n: int) -> list[int]:
