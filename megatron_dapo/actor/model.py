@@ -128,6 +128,22 @@ def use_transformer_engine(cfg: ModelConfig) -> bool:
     return available
 
 
+def keep_as_allocated(weight: torch.Tensor) -> torch.Tensor:
+    """The init_method of a model whose weights are about to be loaded: leaves them as they are."""
+    return weight
+
+
+def _init_methods(init_weights: bool) -> dict[str, Any]:
+    """Megatron's random init, or a no-op one. Never perform_initialization=False: megatron-core 0.16
+    then also skips `set_tensor_model_parallel_attributes`, and without the `tensor_model_parallel`
+    flag the grad norm (clipping) counts only TP rank 0's shards. The no-op keeps every other step of
+    Megatron's initialisation, so the parameters carry exactly the flags of a randomly initialised model."""
+    if init_weights:
+        return {}
+    names = ("init_method", "output_layer_init_method", "embedding_init_method")
+    return dict.fromkeys(names, keep_as_allocated)
+
+
 def transformer_config(spec: ModelSpec, model_cfg: ModelConfig, par: ParallelConfig, *,
                        init_weights: bool = True) -> Any:
     from megatron.core.transformer import TransformerConfig
@@ -152,8 +168,7 @@ def transformer_config(spec: ModelSpec, model_cfg: ModelConfig, par: ParallelCon
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
         # our loss is normalised by the global token count: Megatron must not rescale it
         calculate_per_token_loss=True,
-        perform_initialization=init_weights,
-        **recompute[model_cfg.recompute])
+        **_init_methods(init_weights), **recompute[model_cfg.recompute])
 
 
 def layer_spec(model_cfg: ModelConfig) -> Any:

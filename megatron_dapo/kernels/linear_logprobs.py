@@ -29,7 +29,7 @@ chunks matter: every chunk also reads and writes the whole [V, H] weight gradien
 
 def _chunk_rows(weight: torch.Tensor, chunk_bytes: int | None) -> int:
     budget = chunk_bytes or LINEAR_CHUNK_BYTES.get(weight.device.type, LINEAR_CHUNK_BYTES["cuda"])
-    return max(1, budget // (weight.shape[0] * weight.element_size()))
+    return max(1, budget // (max(weight.shape[0], 1) * weight.element_size()))
 
 
 class LinearLogprobsEntropy(torch.autograd.Function):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_dapo.kernels.layout import row_chunks
-from megatron_dapo.kernels.vocab_parallel import EMPTY_MAX, RowStats
+from megatron_dapo.kernels.vocab_parallel import EMPTY_MAX, RowStats, empty_shard_stats
 
 CPU_CHUNK_BYTES = 32 << 20
 """CPU budget for the per-chunk fp32 temporaries (two [chunk, V] tensors alive at once). Chunks that
@@ -98,6 +98,8 @@ class TorchBackend:
 
     def stats(self, rows: torch.Tensor, targets: torch.Tensor, vocab_start: int, entropy: bool) -> RowStats:
         vocab = rows.shape[-1]
+        if vocab == 0:
+            return empty_shard_stats(targets.shape[0], rows.device, entropy)
         parts = [
             chunk_stats(_load_fp32(view), *local_targets(targets[r0:r1], vocab_start, vocab), entropy)
             for r0, r1, view in row_chunks(rows, self.chunk_rows(rows))
@@ -118,6 +120,8 @@ class TorchBackend:
     ) -> None:
         """Write the logits gradient into `out` (same shape as `rows`; may be `rows` itself)."""
         vocab = rows.shape[-1]
+        if vocab == 0:
+            return
         out_chunks = row_chunks(out, self.chunk_rows(rows))
         for (r0, r1, view), (_, _, out_view) in zip(row_chunks(rows, self.chunk_rows(rows)), out_chunks):
             sl = slice(r0, r1)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from megatron_dapo.kernels.logprobs_torch import LOG_FLOOR
-from megatron_dapo.kernels.vocab_parallel import EMPTY_MAX, RowStats
+from megatron_dapo.kernels.vocab_parallel import EMPTY_MAX, RowStats, empty_shard_stats
 
 MAX_BLOCK_V = 4096
 _EMPTY_MAX: tl.constexpr = tl.constexpr(EMPTY_MAX)
@@ -106,6 +106,8 @@ class TritonBackend:
     def stats(self, rows: torch.Tensor, targets: torch.Tensor, vocab_start: int, entropy: bool) -> RowStats:
         num_a, num_b, vocab = rows.shape
         n = num_a * num_b
+        if vocab == 0:  # no launch: an empty tensor may have no device pointer at all
+            return empty_shard_stats(n, rows.device, entropy)
         m, s, w, zt = (torch.empty(n, dtype=torch.float32, device=rows.device) for _ in range(4))
         if n:
             _stats_kernel[(n,)](
@@ -127,7 +129,7 @@ class TritonBackend:
         out: torch.Tensor,
     ) -> None:
         num_a, num_b, vocab = rows.shape
-        if num_a * num_b == 0:
+        if num_a * num_b * vocab == 0:
             return
         has_ent = g_ent is not None
         _grad_kernel[(num_a * num_b,)](
