@@ -99,7 +99,9 @@ def open_engine(cfg: Config, hf_dir: Path) -> Iterator[Any]:
     if cfg.rollout.engine == "sglang":
         from megatron_dapo.rollout.sglang.fleet import start_job_servers
 
-        servers = start_job_servers(hf_dir, cfg.rollout.sglang, bucket_mb=cfg.rollout.weight_sync_bucket_mb)
+        dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+        servers = start_job_servers(hf_dir, cfg.rollout.sglang, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+                                    dtype=dtype)
         try:
             yield servers.engine
         finally:

@@ -111,6 +111,7 @@ def python_env_module():
 def evaluate_cli(model, out, env, *extra):
     cmd = [sys.executable, "-m", "megatron_dapo.evaluate", "--model", str(model), "--data", VAL, "--n", "4",
            "--max-response-len", "24", "--temperature", "1.0", "--top-p", "0.7", "--out", str(out), REWARD, *extra]
+    # (flags given twice: the last wins)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-6000:]
     lines = r.stdout.strip().splitlines()
@@ -167,3 +168,19 @@ def test_cli_bad_input_is_one_line(tmp_path, python_env_module):
     r = subprocess.run([sys.executable, "-m", "megatron_dapo.evaluate", "--model", str(tmp_path / "nope"),
                         "--data", VAL], capture_output=True, text=True, env=python_env_module, timeout=120)
     assert r.returncode == 2 and "no such folder" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.sglang
+def test_cli_on_sglang_equals_embedded_when_greedy(base_dir, tmp_path, python_env_module, sglang_python):
+    """--engine sglang: a real SGLang server on CPU; greedy decoding (temperature 0) gives the embedded
+    engine's responses, so every metric is equal."""
+    from sglang_support import server_ports
+
+    env = {**python_env_module, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python}
+    greedy = ["--temperature", "0", "--n", "2"]
+    embedded, rows_e = evaluate_cli(base_dir, tmp_path / "e.jsonl", env, *greedy)
+    served, rows_s = evaluate_cli(base_dir, tmp_path / "s.jsonl", env, *greedy, "--engine", "sglang",
+                                  f"rollout.sglang.base_port={server_ports()}")
+    metrics = [k for k in embedded if k.startswith(("avg@", "pass@", "maj@", "response_length"))]
+    assert {k: served[k] for k in metrics} == {k: embedded[k] for k in metrics}
+    assert [r["responses"] for r in rows_s] == [r["responses"] for r in rows_e]
