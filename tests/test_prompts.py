@@ -111,6 +111,15 @@ def test_system_prompt_and_few_shot(tmp_path):
     assert kept.messages == ({"role": "system", "content": "old"}, user(PROBLEM))
 
 
+def test_a_row_without_user_message_is_skipped_under_a_template(tmp_path):
+    path = tmp_path / "odd.jsonl"
+    row = {"data_source": "x", "prompt": [{"role": "system", "content": "only"}], "reward_model": {"ground_truth": "1"}}
+    path.write_text(json.dumps(row) + "\n")
+    assert len(load_prompts(str(path)).prompts) == 1  # auto: the row as stored
+    result = load_prompts(str(path), prompt_format=PromptFormat("raw"))
+    assert not result.prompts and result.skipped == {"malformed_row": 1}
+
+
 def test_bad_few_shot_files(tmp_path):
     bad = tmp_path / "bad.jsonl"
     for text, fragment in [('{"question": "q"}\n', "needs string"), ("not json\n", "not JSON"), ("\n", "no example")]:

@@ -214,7 +214,11 @@ def _load_file(path: Path, result: LoadResult, max_prompt_chars: int | None, lim
 
 
 def _keep(result: LoadResult, prompt: Prompt, max_prompt_chars: int | None, fmt: PromptFormat) -> None:
-    prompt = fmt.apply(prompt)
+    try:
+        prompt = fmt.apply(prompt)
+    except ValueError:  # no user message to put the template on
+        result.add_skip(MALFORMED_ROW, prompt.uid)
+        return
     if max_prompt_chars is not None and sum(len(m["content"]) for m in prompt.messages) > max_prompt_chars:
         result.add_skip(PROMPT_TOO_LONG, prompt.uid)
     else:
