@@ -7,6 +7,7 @@ import math
 from typing import TYPE_CHECKING
 
 from megatron_dapo.config import Config, ConfigError, data_parallel_size, validate
+from megatron_dapo.config.sizing import resolve_micro_batches
 from megatron_dapo.plan.core import (Hardware, IdleActor, Layout, ModelSummary, Plan, RolloutPhase,
                                      SGLangPool, StageMemory, TokenBudget, TrainPhase, fmt_gib)
 from megatron_dapo.plan.memory import (actor_bytes, kv_bytes_per_token, params_dtype, stage_activations,
@@ -29,7 +30,9 @@ def make_plan(cfg: Config, spec: ModelSpec, hw: Hardware, *, model_source: str =
                          kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, vocab=spec.vocab_size,
                          vocab_padded=spec.padded_vocab_size(layout.tp), tied_embeddings=spec.tied_embeddings)
     return Plan(config=config_name, hardware=hw, model=model, layout=layout, train=train, rollout=rollout,
-                tokens=_tokens(cfg, layout.dp), problems=tuple(problems), warnings=tuple(warnings))
+                tokens=_tokens(cfg, layout.dp, resolve_micro_batches(cfg.actor, spec.vocab_size, layout.tp,
+                                                                     on_gpu=True).micro_batch_tokens),
+                problems=tuple(problems), warnings=tuple(warnings))
 
 
 def _layout(cfg: Config, spec: ModelSpec, hw: Hardware) -> Layout:
@@ -219,7 +222,7 @@ def _rollout_warnings(cfg: Config) -> list[str]:
 # ----------------------------------------------------------------------------------------- tokens
 
 
-def _tokens(cfg: Config, dp: int) -> TokenBudget:
+def _tokens(cfg: Config, dp: int, micro_batch_tokens: int) -> TokenBudget:
     a, t, seq = cfg.algo, cfg.train, _sequence_tokens(cfg)
     updates = a.epochs_per_rollout * t.prompt_batch_size // max(t.mini_batch_size, 1)
     trained_seqs = t.prompt_batch_size * a.group_size
@@ -236,4 +239,4 @@ def _tokens(cfg: Config, dp: int) -> TokenBudget:
         updates_per_step=updates,
         sequences_per_update=trained_seqs // max(updates // a.epochs_per_rollout, 1),
         micro_batches_per_update_per_dp_rank_max=math.ceil(
-            t.mini_batch_size * a.group_size / max(dp, 1) / max(cfg.actor.micro_batch_tokens // seq, 1)))
+            t.mini_batch_size * a.group_size / max(dp, 1) / max(micro_batch_tokens // seq, 1)))
