@@ -18,6 +18,9 @@ TAGS = [
     "rollout/kept_group_frac", "rollout/train_rollout_logprob_absdiff", "val/acc_avg_at_k",
     "timing/rollout_s", "timing/reward_s", "timing/old_logprob_s", "timing/update_s", "timing/weight_sync_s",
     "timing/step_s", "perf/tokens_per_s", "perf/weight_sync_bytes",
+    # issue 12
+    "val/pass_at_k", "val/maj_at_k", "val/response_length_mean", "timing/eval_s", "perf/rollout_tokens_per_s",
+    "reward/failures", "alarm/no_correct_answers",
 ]
 # The test base is trained for seconds and may answer nothing right on a busy machine: the paper's accuracy
 # filter would then keep no group (no update, no actor/* monitors); the score filter keeps length-shaped ones.
