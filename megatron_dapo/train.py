@@ -29,13 +29,13 @@ def train(cfg: Config) -> dict[str, float]:
     run = build_run(cfg)
     out: dict[str, float] = {}
     if run.start_step == 0 and run.wants_eval(0):
-        write(run, 0, validate_policy(run))
+        write(run, 0, validate_policy(run, 0))
     bar = progress(range(run.start_step + 1, cfg.train.steps + 1), enabled=run.is_driver)
     for step in bar:
         out = dapo_step(run, step)
         last = run.budget_spent()
         if run.wants_eval(step) or (last and run.val_prompts):
-            out.update(validate_policy(run))
+            out.update(validate_policy(run, step))
         write(run, step, out, bar)
         if run.wants_checkpoint(step) or last:
             run.save(step)
@@ -56,7 +56,7 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
         rollout: StepRollout | None = None
         if run.is_driver:
             rollout = collect_step(run.engine, run.tokenizer, run.next_prompts, target_groups=cfg.train.prompt_batch_size,
-                                   algo=cfg.algo, reward=cfg.reward, max_response_len=cfg.rollout.max_response_len,
+                                   algo=cfg.algo, scorer=run.scorer,
                                    sampling=lambda r: step_sampling(cfg, step, r, run.eos_ids))
         rows = distribute.step_rows(rollout, num_mini_batches=run.num_mini_batches,
                                     overlong_filtering=cfg.algo.overlong_filtering, pad_id=run.tokenizer.pad_token_id or 0)
@@ -64,8 +64,10 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     run.samples_generated += rows.samples_generated
     out = {"rollout/samples_total": float(run.samples_generated), "rollout/groups_trained": float(rows.groups_trained)}
     if rollout is not None:  # the driver has every sample: the all-sample monitors are computed there
+        run.write_samples(step, "train", rollout.generated)
         out.update(scalars.rollout_scalars(rollout, samples_total=run.samples_generated,
                                            groups_trained=rows.groups_trained))
+        out.update(rollout.monitors())
     out.update({"perf/rollout_bytes_total": float(rows.bytes_total),
                 "perf/rollout_bytes_max_recv": float(distribute.max_received(rows))})
     batch = rows.batch
@@ -86,12 +88,14 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, tokens, sync.bytes)}
 
 
-def validate_policy(run: RunState) -> dict[str, float]:
-    """avg@k on the validation prompts (driver only; other ranks return nothing)."""
+def validate_policy(run: RunState, step: int) -> dict[str, float]:
+    """avg@k, pass@k, maj@k on the validation prompts (driver only; other ranks return nothing)."""
     run.phases.generate()
     if not run.is_driver:
         return {}
-    return evaluate(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids)
+    result = evaluate(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids, run.scorer)
+    run.write_samples(step, "val", result.groups)
+    return {**result.val_scalars(), "timing/eval_s": result.seconds}
 
 
 def write(run: RunState, step: int, values: dict[str, float], bar=None) -> None:
@@ -106,7 +110,7 @@ def write(run: RunState, step: int, values: dict[str, float], bar=None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser("Train a policy with DAPO.")
     parser.add_argument("--dry-run", action="store_true", help="resolve and check the config, then exit")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before or after flags
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_third_party()
     try:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import os
 
-from megatron_dapo.config.schema import AlgoConfig, Config, ConfigError
+from megatron_dapo.config.model_checks import model_problems
+from megatron_dapo.config.schema import REWARD_FUNCTION, AlgoConfig, Config, ConfigError
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Cross-field checks; raises ConfigError listing every problem found."""
     problems = _problems(cfg)
-    if world_size is not None:
-        problems += _layout_problems(cfg, world_size)
+    if world_size is not None:  # the layout: against the world size and the model's config.json
+        problems += _layout_problems(cfg, world_size) + model_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
 
@@ -29,10 +30,13 @@ def _problems(cfg: Config) -> list[str]:
                   "train.prompt_batch_size": t.prompt_batch_size, "train.mini_batch_size": t.mini_batch_size,
                   "rollout.max_response_len": r.max_response_len, "rollout.max_prompt_len": r.max_prompt_len,
                   "algo.max_gen_rounds": a.max_gen_rounds, "algo.epochs_per_rollout": a.epochs_per_rollout,
-                  "actor.micro_batch_tokens": cfg.actor.micro_batch_tokens,
-                  "actor.logprob_micro_batch_tokens": cfg.actor.logprob_micro_batch_tokens,
                   "rollout.weight_sync_bucket_mb": r.weight_sync_bucket_mb,
                   "eval.n_samples": cfg.eval.n_samples, "optimizer.lr": o.lr})
+    for key, tokens in (("actor.micro_batch_tokens", cfg.actor.micro_batch_tokens),
+                        ("actor.logprob_micro_batch_tokens", cfg.actor.logprob_micro_batch_tokens)):
+        if tokens < 0:
+            p.append(f"{key}={tokens} must be >= 0 (0 = sized from the vocabulary)")
+    p += _prompt_problems(cfg)
     if a.group_size < 2:
         p.append(f"algo.group_size={a.group_size}: group advantages need G >= 2")
     if t.prompt_batch_size % max(t.mini_batch_size, 1):
@@ -69,6 +73,10 @@ def _problems(cfg: Config) -> list[str]:
         p.append(f"rollout.sglang.num_servers={r.sglang.num_servers} must be >= 0 (0 = fill the node)")
     if not 0.0 < r.sglang.mem_fraction_static < 1.0:
         p.append(f"rollout.sglang.mem_fraction_static={r.sglang.mem_fraction_static} must be in (0, 1)")
+    if cfg.reward.name != "math_dapo" and not REWARD_FUNCTION.fullmatch(cfg.reward.name):
+        p.append(f"reward.name={cfg.reward.name!r} must be math_dapo or module.path:function")
+    if cfg.reward.timeout_s < 0:
+        p.append(f"reward.timeout_s={cfg.reward.timeout_s} must be >= 0 (0 = no limit)")
     if cfg.checkpoint.keep_last < 1:
         p.append(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
     return p
@@ -91,6 +99,27 @@ def _correction_problems(a: AlgoConfig) -> list[str]:
     if a.rollout_correction != "none" and a.old_logprob_source == "rollout":
         p.append(f"algo.rollout_correction={a.rollout_correction} with algo.old_logprob_source=rollout: "
                  "pi_old is the rollout policy then, so every correction weight would be 1")
+    return p
+
+
+_TEMPLATES = ("auto", "dapo_math", "gsm8k", "raw")  # data/templates.py TEMPLATE_NAMES
+
+
+def _prompt_problems(cfg: Config) -> list[str]:
+    """Prompt template, few-shot file, chat template and sample logging: names and files exist."""
+    p: list[str] = []
+    d, m = cfg.data, cfg.model
+    if d.prompt_template not in _TEMPLATES and not os.path.isfile(d.prompt_template):
+        p.append(f"data.prompt_template={d.prompt_template!r} must be one of {list(_TEMPLATES)} or a template file")
+    if d.few_shot_path is not None and not os.path.isfile(d.few_shot_path):
+        p.append(f"data.few_shot_path={d.few_shot_path!r}: no such file")
+    if m.chat_template not in ("auto", "none") and not os.path.isfile(m.chat_template):
+        p.append(f"model.chat_template={m.chat_template!r} must be auto, none or a Jinja file")
+    if d.prompt_template == "gsm8k" and cfg.reward.name == "math_dapo" and cfg.reward.answer_fallback == "none":
+        p.append("data.prompt_template=gsm8k asks for the answer after '####', which reward.answer_fallback=none "
+                 "never reads: set reward.answer_fallback=boxed (or use the dapo_math template)")
+    if cfg.logging.samples_every < 0 or cfg.logging.samples_per_step < 0:
+        p.append("logging.samples_every and logging.samples_per_step must be >= 0")
     return p
 
 

@@ -20,17 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from megatron_dapo.data.arithmetic import arithmetic_from_query
+from megatron_dapo.data.templates import DAPO_MATH_TEMPLATE, PromptFormat
 from megatron_dapo.types import Prompt
 
 logger = logging.getLogger(__name__)
 
-GSM8K_PROMPT_TEMPLATE = (
-    "Solve the following math problem step by step. The last line of your response should be of the "
-    "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
-    "{question}\n\n"
-    'Remember to put your answer on its own line after "Answer:".'
-)
-"""GSM8K question -> user message; the same instruction DAPO-Math-17K prompts carry."""
+GSM8K_PROMPT_TEMPLATE = DAPO_MATH_TEMPLATE
+"""GSM8K question -> user message (data.prompt_template=auto): the instruction DAPO-Math-17K prompts carry."""
 
 BUILTIN_TASKS: dict[str, Callable[[str], list[Prompt]]] = {"arithmetic": arithmetic_from_query}
 
@@ -187,7 +183,8 @@ def _row_parser(row: dict[str, Any], path: Path) -> Callable[[dict[str, Any], in
     )
 
 
-def _load_file(path: Path, result: LoadResult, max_prompt_chars: int | None, limit: int | None) -> None:
+def _load_file(path: Path, result: LoadResult, max_prompt_chars: int | None, limit: int | None,
+               fmt: PromptFormat) -> None:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         rows = _iter_parquet(path)
@@ -213,27 +210,35 @@ def _load_file(path: Path, result: LoadResult, max_prompt_chars: int | None, lim
             source = row.get("data_source") if parse is _dapo_prompt else "gsm8k"
             result.add_skip(skip.reason, f"{source or default_source}/{index}")
             continue
-        _keep(result, prompt, max_prompt_chars)
+        _keep(result, prompt, max_prompt_chars, fmt)
 
 
-def _keep(result: LoadResult, prompt: Prompt, max_prompt_chars: int | None) -> None:
+def _keep(result: LoadResult, prompt: Prompt, max_prompt_chars: int | None, fmt: PromptFormat) -> None:
+    try:
+        prompt = fmt.apply(prompt)
+    except ValueError:  # no user message to put the template on
+        result.add_skip(MALFORMED_ROW, prompt.uid)
+        return
     if max_prompt_chars is not None and sum(len(m["content"]) for m in prompt.messages) > max_prompt_chars:
         result.add_skip(PROMPT_TOO_LONG, prompt.uid)
     else:
         result.prompts.append(prompt)
 
 
-def load_prompts(path: str, *, max_prompt_chars: int | None = None, limit: int | None = None) -> LoadResult:
+def load_prompts(path: str, *, max_prompt_chars: int | None = None, limit: int | None = None,
+                 prompt_format: PromptFormat | None = None) -> LoadResult:
     """Load prompts from a dataset file or a `builtin:` spec (see the module docstring).
 
     uids are `<data_source>/<row index>` (jsonl: 0-based line number) and stay stable when rows are
     skipped. `max_prompt_chars` drops prompts whose message contents are longer in total; `limit`
-    stops after that many prompts are kept. Raises FileNotFoundError / ValueError for a missing file or
+    stops after that many prompts are kept; `prompt_format` (templates.py) rewrites each prompt's
+    messages before the length check. Raises FileNotFoundError / ValueError for a missing file or
     an unrecognised format; bad rows are counted in `LoadResult.skipped` and logged as one warning.
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     result = LoadResult(source=str(path))
+    fmt = prompt_format or PromptFormat()
     if str(path).startswith("builtin:"):
         name, _, query = str(path)[len("builtin:") :].partition("?")
         if name not in BUILTIN_TASKS:
@@ -243,12 +248,12 @@ def load_prompts(path: str, *, max_prompt_chars: int | None = None, limit: int |
         for prompt in BUILTIN_TASKS[name](query):
             if limit is not None and len(result.prompts) >= limit:
                 break
-            _keep(result, prompt, max_prompt_chars)
+            _keep(result, prompt, max_prompt_chars, fmt)
     else:
         file = Path(path)
         if not file.is_file():
             raise FileNotFoundError(f"dataset file not found: {path}")
-        _load_file(file, result, max_prompt_chars, limit)
+        _load_file(file, result, max_prompt_chars, limit, fmt)
     if result.skipped:
         logger.warning(result.summary())
     return result

@@ -14,11 +14,17 @@ from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
 from megatron_dapo.actor.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_dapo.config import Config, to_dict
-from megatron_dapo.data import PromptIterator, load_prompts
+from megatron_dapo.config.model_checks import read_model_config
+from megatron_dapo.config.sizing import resolve_micro_batches
+from megatron_dapo.data import PromptFormat, PromptIterator, load_prompts
+from megatron_dapo.data.render import default_system_prompt, use_chat_template
+from megatron_dapo.loop.evaluation import sample_records
 from megatron_dapo.loop.phases import Phases
+from megatron_dapo.loop.startup import StartupReport, system_prompt_note
 from megatron_dapo.metrics import Alarms, MetricsWriter, PhaseTimer
+from megatron_dapo.reward import RewardLoadError, Scorer
 from megatron_dapo.rollout.base import RolloutEngine
-from megatron_dapo.types import Prompt
+from megatron_dapo.types import Group, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +47,8 @@ class RunState:
     alarms: Alarms
     ckpt_root: Path
     hf_dir: str
+    scorer: Scorer
+    """reward.name's verifier + the overlong term, built once (the driver scores)."""
     start_step: int = 0
     samples_generated: int = 0
     servers: list[Any] = field(default_factory=list)
@@ -72,6 +80,18 @@ class RunState:
     def wants_eval(self, step: int) -> bool:
         every = self.cfg.eval.every_steps
         return bool(self.val_prompts) and every > 0 and (step % every == 0 or step == self.cfg.train.steps)
+
+    def wants_samples(self, step: int) -> bool:
+        every = self.cfg.logging.samples_every
+        return every > 0 and step % every == 0
+
+    def write_samples(self, step: int, split: str, groups: list[Group]) -> None:
+        """Driver: a few responses of `groups` to samples/step_<k>.jsonl and TensorBoard text (val: at
+        every evaluation; train: every logging.samples_every steps)."""
+        if not self.is_driver or (split == "train" and not self.wants_samples(step)):
+            return
+        records = sample_records(groups, self.tokenizer, self.cfg.logging.samples_per_step, step, split)
+        self.writer.write_samples(step, split, records)
 
     def wants_checkpoint(self, step: int) -> bool:
         every = self.cfg.checkpoint.save_every
@@ -125,6 +145,12 @@ def build_run(cfg: Config) -> RunState:
     """Initialise processes, actor, engine, data and metrics; resume if a checkpoint is found."""
     from transformers import AutoTokenizer
 
+    try:  # user inputs that load quickly fail before any process group or model exists
+        scorer = Scorer(cfg.reward, cfg.rollout.max_response_len)
+        prompt_format = PromptFormat.from_files(cfg.data.prompt_template, cfg.data.system_prompt,
+                                                cfg.data.few_shot_path)
+    except (RewardLoadError, ValueError, OSError) as e:
+        raise SetupError(str(e)) from e
     parallel.initialize(cfg.parallel, seed=cfg.train.seed)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -132,24 +158,38 @@ def build_run(cfg: Config) -> RunState:
     if not hf_dir or not (Path(hf_dir) / "config.json").is_file():
         raise SetupError(f"model.hf_dir={hf_dir!r} has no config.json (for the tiny CPU run, build it with "
                          "`python tools/make_tiny_base.py --out checkpoints/tiny_base`)")
+    cfg.actor = resolve_micro_batches(cfg.actor, int(read_model_config(hf_dir)["vocab_size"]),
+                                      cfg.parallel.tensor_parallel, on_gpu=torch.cuda.is_available())
     actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature)
     if cfg.model.load:
         load_checkpoint(actor, cfg.model.load, load_optimizer=False, load_rng=False)
     driver = parallel.is_main()
+    report = StartupReport(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    report.chat_template = use_chat_template(tokenizer, cfg.model.chat_template)
+    report.system_prompt, warn = system_prompt_note(cfg.data.system_prompt, default_system_prompt(tokenizer))
     servers = _start_sglang(cfg, hf_dir) if cfg.rollout.engine == "sglang" else None
-    engine = servers.engine if servers is not None else _embedded_engine(hf_dir) if driver else None
+    offloads = cfg.rollout.colocate and cfg.actor.offload_when_idle
+    engine = servers.engine if servers is not None else _embedded_engine(actor, hf_dir, report, offloads) if driver else None
+    if servers is not None:
+        report.engine = f"sglang ({len(servers.owned)} server(s) started by this rank)"
     run = RunState(
-        cfg=cfg, actor=actor, tokenizer=AutoTokenizer.from_pretrained(hf_dir), engine=engine,
+        cfg=cfg, actor=actor, tokenizer=tokenizer, engine=engine,
         phases=Phases(actor, engine, cfg.rollout.colocate, cfg.actor.offload_when_idle),
-        prompts=_train_prompts(cfg) if driver else None,
-        val_prompts=_val_prompts(cfg) if driver else [],
+        prompts=_train_prompts(cfg, prompt_format, report) if driver else None,
+        val_prompts=_val_prompts(cfg, prompt_format, report) if driver else [],
         writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver),
         alarms=Alarms(cfg.logging, cfg.rollout.max_response_len),
-        ckpt_root=Path(cfg.checkpoint.dir) / cfg.logging.run_name, hf_dir=hf_dir,
+        ckpt_root=Path(cfg.checkpoint.dir) / cfg.logging.run_name, hf_dir=hf_dir, scorer=scorer,
         servers=servers.owned if servers is not None else [])
     run.resume()
     if run.start_step > 0 or cfg.model.load:
         run.phases.sync()  # the engine started from hf_dir; give it the trained weights
+    if driver:
+        report.resumed_from = f"step {run.start_step}" if run.start_step else None
+        log.info("start-up summary:\n  " + "\n  ".join(report.lines()))
+        if warn:
+            log.warning("the chat template adds a system prompt the config did not ask for: %s", report.system_prompt)
     return run
 
 
@@ -164,10 +204,23 @@ def _start_sglang(cfg: Config, hf_dir: str):
                              dtype=dtype)
 
 
-def _embedded_engine(hf_dir: str) -> RolloutEngine:
+def _embedded_engine(actor: Actor, hf_dir: str, report: StartupReport, offloads_weights: bool) -> RolloutEngine:
+    """On the actor's own weights when they can be shared (shared_weights.py) and stay in place while the
+    engine generates, else from hf_dir."""
+    from megatron_dapo.loop.shared_weights import can_share, model_on_actor_weights
     from megatron_dapo.rollout.embedded import EmbeddedEngine
 
-    return EmbeddedEngine(hf_dir)
+    if not can_share(actor):
+        report.engine = f"embedded, its own float32 copy of the weights (from {hf_dir})"
+        return EmbeddedEngine(hf_dir)
+    if offloads_weights:  # the actor's weights leave memory while the engine generates: no aliasing
+        report.engine = (f"embedded, its own float32 copy of the weights (from {hf_dir}; the actor offloads "
+                         "while it generates: actor.offload_when_idle=false shares the actor's weights)")
+        return EmbeddedEngine(hf_dir)
+    model, shared = model_on_actor_weights(actor, hf_dir)
+    total = sum(p.numel() for p in model.parameters())
+    report.engine = f"embedded, on the actor's weights ({shared / 1e6:.2f}M of {total / 1e6:.2f}M parameters shared)"
+    return EmbeddedEngine(model)
 
 
 def _load(path: str, **kw: Any):
@@ -177,17 +230,19 @@ def _load(path: str, **kw: Any):
         raise SetupError(str(e)) from e
 
 
-def _train_prompts(cfg: Config) -> PromptIterator:
-    loaded = _load(cfg.data.train_path, max_prompt_chars=cfg.data.max_prompt_chars)
-    log.info("training prompts: %s", loaded.summary())
+def _train_prompts(cfg: Config, fmt: PromptFormat, report: StartupReport) -> PromptIterator:
+    loaded = _load(cfg.data.train_path, max_prompt_chars=cfg.data.max_prompt_chars, prompt_format=fmt)
+    report.data.append(f"training prompts: {loaded.summary()}")
     if not loaded.prompts:
         raise SetupError(f"data.train_path={cfg.data.train_path!r}: no usable prompt ({loaded.summary()})")
     return PromptIterator(loaded.prompts, batch_size=1, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
 
 
-def _val_prompts(cfg: Config) -> list[Prompt]:
+def _val_prompts(cfg: Config, fmt: PromptFormat, report: StartupReport) -> list[Prompt]:
     if not cfg.data.val_path:
+        report.data.append("validation prompts: none (data.val_path unset)")
         return []
-    loaded = _load(cfg.data.val_path, max_prompt_chars=cfg.data.max_prompt_chars, limit=cfg.eval.max_prompts)
-    log.info("validation prompts: %s", loaded.summary())
+    loaded = _load(cfg.data.val_path, max_prompt_chars=cfg.data.max_prompt_chars, limit=cfg.eval.max_prompts,
+                   prompt_format=fmt)
+    report.data.append(f"validation prompts: {loaded.summary()}")
     return loaded.prompts

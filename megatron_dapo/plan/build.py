@@ -7,8 +7,13 @@ import math
 from typing import TYPE_CHECKING
 
 from megatron_dapo.config import Config, ConfigError, data_parallel_size, validate
+<<<<<<< HEAD
 from megatron_dapo.loop.phase_model import phase_model
 from megatron_dapo.plan.core import (Hardware, IdleActor, Layout, ModelSummary, PhaseMemory, Plan, RolloutPhase,
+=======
+from megatron_dapo.config.sizing import resolve_micro_batches
+from megatron_dapo.plan.core import (Hardware, IdleActor, Layout, ModelSummary, Plan, RolloutPhase,
+>>>>>>> wt-models12
                                      SGLangPool, StageMemory, TokenBudget, TrainPhase, fmt_gib)
 from megatron_dapo.plan.memory import (activated_params, actor_bytes, kv_bytes_per_token, params_dtype,
                                        stage_activations, stage_expert_params, stage_params, total_params)
@@ -34,6 +39,7 @@ def make_plan(cfg: Config, spec: ModelSpec, hw: Hardware, *, model_source: str =
                          vocab_padded=spec.padded_vocab_size(layout.tp), tied_embeddings=spec.tied_embeddings,
                          experts=moe.num_experts if moe else 0, experts_per_token=moe.top_k if moe else 0)
     return Plan(config=config_name, hardware=hw, model=model, layout=layout, train=train, rollout=rollout,
+<<<<<<< HEAD
                 tokens=_tokens(cfg, layout.dp), phases=phases, problems=tuple(problems), warnings=tuple(warnings))
 
 
@@ -48,6 +54,11 @@ def phase_memory(cfg: Config, hw: Hardware, worst: StageMemory, rollout: Rollout
                              actor={c: actor[c] for c in p.actor + p.actor_transient},
                              engine={c: engine[c] for c in p.engine if c in engine})
                  for p in model.values())
+=======
+                tokens=_tokens(cfg, layout.dp, resolve_micro_batches(cfg.actor, spec.vocab_size, layout.tp,
+                                                                     on_gpu=True).micro_batch_tokens),
+                problems=tuple(problems), warnings=tuple(warnings))
+>>>>>>> wt-models12
 
 
 def _layout(cfg: Config, spec: ModelSpec, hw: Hardware) -> Layout:
@@ -248,7 +259,7 @@ def _rollout_warnings(cfg: Config) -> list[str]:
 # ----------------------------------------------------------------------------------------- tokens
 
 
-def _tokens(cfg: Config, dp: int) -> TokenBudget:
+def _tokens(cfg: Config, dp: int, micro_batch_tokens: int) -> TokenBudget:
     a, t, seq = cfg.algo, cfg.train, _sequence_tokens(cfg)
     updates = a.epochs_per_rollout * t.prompt_batch_size // max(t.mini_batch_size, 1)
     trained_seqs = t.prompt_batch_size * a.group_size
@@ -265,4 +276,4 @@ def _tokens(cfg: Config, dp: int) -> TokenBudget:
         updates_per_step=updates,
         sequences_per_update=trained_seqs // max(updates // a.epochs_per_rollout, 1),
         micro_batches_per_update_per_dp_rank_max=math.ceil(
-            t.mini_batch_size * a.group_size / max(dp, 1) / max(cfg.actor.micro_batch_tokens // seq, 1)))
+            t.mini_batch_size * a.group_size / max(dp, 1) / max(micro_batch_tokens // seq, 1)))

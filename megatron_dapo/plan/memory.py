@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatron_dapo.config import Config
+from megatron_dapo.config.sizing import resolve_micro_batches
 
 if TYPE_CHECKING:
     from megatron_dapo.actor.model import ModelSpec
@@ -187,8 +188,9 @@ def stage_activations(spec: ModelSpec, cfg: Config, stage: int) -> StageActivati
     tp, pp, sp = par.tensor_parallel, par.pipeline_parallel, par.sequence_parallel
     a = activation_bytes(cfg)
     seq = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
-    t_train = max(cfg.actor.micro_batch_tokens, seq)
-    t_lp = max(cfg.actor.logprob_micro_batch_tokens, seq)
+    actor = resolve_micro_batches(cfg.actor, spec.vocab_size, tp, on_gpu=True)  # 0 = from the vocabulary
+    t_train = max(actor.micro_batch_tokens, seq)
+    t_lp = max(actor.logprob_micro_batch_tokens, seq)
     layers, in_flight = spec.num_layers // pp, pp - stage
     last = stage == pp - 1
     one_layer = layer_activation_bytes(spec, t_train, tp, sp, a)

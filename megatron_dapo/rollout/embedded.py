@@ -93,6 +93,12 @@ def _left_pad(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[T
     return ids.to(device), mask.to(device)
 
 
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    """b is a itself (same data, same layout): copying would be a no-op."""
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.dtype == b.dtype \
+        and a.device == b.device
+
+
 def _eos_ids(model: PreTrainedModel) -> set[int]:
     ids: set[int] = set()
     for source in (model.config, getattr(model, "generation_config", None)):
@@ -224,7 +230,8 @@ class EmbeddedEngine(RolloutEngine):
                 if tuple(tensor.shape) != tuple(param.shape):
                     raise ValueError(f"update_weights: {name}: got shape {tuple(tensor.shape)}, "
                                      f"the engine's parameter has {tuple(param.shape)}")
-                param.copy_(tensor)
+                if not _same_memory(param, tensor):  # a model built on the trainer's tensors
+                    param.copy_(tensor)
 
     def sleep(self, tags: Sequence[str] | None = None) -> None:
         """"weights": their storage moves to a host copy (also on CPU: a distinct allocation), the
