@@ -7,13 +7,9 @@ import math
 from typing import TYPE_CHECKING
 
 from megatron_dapo.config import Config, ConfigError, data_parallel_size, validate
-<<<<<<< HEAD
+from megatron_dapo.config.sizing import resolve_micro_batches
 from megatron_dapo.loop.phase_model import phase_model
 from megatron_dapo.plan.core import (Hardware, IdleActor, Layout, ModelSummary, PhaseMemory, Plan, RolloutPhase,
-=======
-from megatron_dapo.config.sizing import resolve_micro_batches
-from megatron_dapo.plan.core import (Hardware, IdleActor, Layout, ModelSummary, Plan, RolloutPhase,
->>>>>>> wt-models12
                                      SGLangPool, StageMemory, TokenBudget, TrainPhase, fmt_gib)
 from megatron_dapo.plan.memory import (activated_params, actor_bytes, kv_bytes_per_token, params_dtype,
                                        stage_activations, stage_expert_params, stage_params, total_params)
@@ -39,8 +35,9 @@ def make_plan(cfg: Config, spec: ModelSpec, hw: Hardware, *, model_source: str =
                          vocab_padded=spec.padded_vocab_size(layout.tp), tied_embeddings=spec.tied_embeddings,
                          experts=moe.num_experts if moe else 0, experts_per_token=moe.top_k if moe else 0)
     return Plan(config=config_name, hardware=hw, model=model, layout=layout, train=train, rollout=rollout,
-<<<<<<< HEAD
-                tokens=_tokens(cfg, layout.dp), phases=phases, problems=tuple(problems), warnings=tuple(warnings))
+                tokens=_tokens(cfg, layout.dp, resolve_micro_batches(cfg.actor, spec.vocab_size, layout.tp,
+                                                                     on_gpu=True).micro_batch_tokens),
+                phases=phases, problems=tuple(problems), warnings=tuple(warnings))
 
 
 def phase_memory(cfg: Config, hw: Hardware, worst: StageMemory, rollout: RolloutPhase) -> tuple[PhaseMemory, ...]:
@@ -54,11 +51,6 @@ def phase_memory(cfg: Config, hw: Hardware, worst: StageMemory, rollout: Rollout
                              actor={c: actor[c] for c in p.actor + p.actor_transient},
                              engine={c: engine[c] for c in p.engine if c in engine})
                  for p in model.values())
-=======
-                tokens=_tokens(cfg, layout.dp, resolve_micro_batches(cfg.actor, spec.vocab_size, layout.tp,
-                                                                     on_gpu=True).micro_batch_tokens),
-                problems=tuple(problems), warnings=tuple(warnings))
->>>>>>> wt-models12
 
 
 def _layout(cfg: Config, spec: ModelSpec, hw: Hardware) -> Layout:
