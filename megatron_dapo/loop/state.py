@@ -15,6 +15,8 @@ from megatron_dapo.actor.actor import Actor
 from megatron_dapo.actor.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_dapo.config import Config, to_dict
 from megatron_dapo.data import PromptIterator, load_prompts
+from megatron_dapo.data.datasets import LoadResult
+from megatron_dapo.data.render import render_prompt_ids
 from megatron_dapo.loop.phases import Phases
 from megatron_dapo.metrics import Alarms, MetricsWriter, PhaseTimer
 from megatron_dapo.rollout.base import RolloutEngine
@@ -130,6 +132,7 @@ def build_run(cfg: Config) -> RunState:
     if not hf_dir or not (Path(hf_dir) / "config.json").is_file():
         raise SetupError(f"model.hf_dir={hf_dir!r} has no config.json (for the tiny CPU run, build it with "
                          "`python tools/make_tiny_base.py --out checkpoints/tiny_base`)")
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature)
     if cfg.model.load:
         load_checkpoint(actor, cfg.model.load, load_optimizer=False, load_rng=False)
@@ -137,10 +140,10 @@ def build_run(cfg: Config) -> RunState:
     servers = _start_sglang(cfg, hf_dir) if cfg.rollout.engine == "sglang" else None
     engine = servers.engine if servers is not None else _embedded_engine(hf_dir) if driver else None
     run = RunState(
-        cfg=cfg, actor=actor, tokenizer=AutoTokenizer.from_pretrained(hf_dir), engine=engine,
+        cfg=cfg, actor=actor, tokenizer=tokenizer, engine=engine,
         phases=Phases(actor, engine, cfg.rollout.colocate),
-        prompts=_train_prompts(cfg) if driver else None,
-        val_prompts=_val_prompts(cfg) if driver else [],
+        prompts=_train_iterator(cfg, tokenizer) if driver else None,
+        val_prompts=load_val_prompts(cfg, tokenizer) if driver else [],
         writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver),
         alarms=Alarms(cfg.logging, cfg.rollout.max_response_len),
         ckpt_root=Path(cfg.checkpoint.dir) / cfg.logging.run_name, hf_dir=hf_dir,
@@ -149,6 +152,11 @@ def build_run(cfg: Config) -> RunState:
     if run.start_step > 0 or cfg.model.load:
         run.phases.sync()  # the engine started from hf_dir; give it the trained weights
     return run
+
+
+def _train_iterator(cfg: Config, tokenizer: Any) -> PromptIterator:
+    return PromptIterator(load_train_prompts(cfg, tokenizer).prompts, batch_size=1, seed=cfg.train.seed,
+                          shuffle=cfg.data.shuffle)
 
 
 def _start_sglang(cfg: Config, hf_dir: str):
@@ -168,24 +176,28 @@ def _embedded_engine(hf_dir: str) -> RolloutEngine:
     return EmbeddedEngine(hf_dir)
 
 
-def _load(path: str, **kw: Any):
+def _load(path: str, cfg: Config, tokenizer: Any, **kw: Any):
+    """Prompts of `path`; those longer than rollout.max_prompt_len tokens, rendered the way the rollout
+    renders them, are skipped and counted."""
     try:
-        return load_prompts(path, **kw)
+        return load_prompts(path, max_prompt_chars=cfg.data.max_prompt_chars,
+                            max_prompt_tokens=cfg.rollout.max_prompt_len,
+                            count_tokens=lambda p: len(render_prompt_ids(tokenizer, p)), **kw)
     except (FileNotFoundError, ValueError) as e:
         raise SetupError(str(e)) from e
 
 
-def _train_prompts(cfg: Config) -> PromptIterator:
-    loaded = _load(cfg.data.train_path, max_prompt_chars=cfg.data.max_prompt_chars)
+def load_train_prompts(cfg: Config, tokenizer: Any) -> LoadResult:
+    loaded = _load(cfg.data.train_path, cfg, tokenizer)
     log.info("training prompts: %s", loaded.summary())
     if not loaded.prompts:
         raise SetupError(f"data.train_path={cfg.data.train_path!r}: no usable prompt ({loaded.summary()})")
-    return PromptIterator(loaded.prompts, batch_size=1, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    return loaded
 
 
-def _val_prompts(cfg: Config) -> list[Prompt]:
+def load_val_prompts(cfg: Config, tokenizer: Any) -> list[Prompt]:
     if not cfg.data.val_path:
         return []
-    loaded = _load(cfg.data.val_path, max_prompt_chars=cfg.data.max_prompt_chars, limit=cfg.eval.max_prompts)
+    loaded = _load(cfg.data.val_path, cfg, tokenizer, limit=cfg.eval.max_prompts)
     log.info("validation prompts: %s", loaded.summary())
     return loaded.prompts
