@@ -12,12 +12,17 @@ import torch
 
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
-from megatron_dapo.actor.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_dapo.actor.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from megatron_dapo.actor.model import UnsupportedModelError, param_dtype
+from megatron_dapo.cli import preflight_error
 from megatron_dapo.config import Config, to_dict
 from megatron_dapo.data import PromptIterator, load_prompts
 from megatron_dapo.data.datasets import LoadResult
 from megatron_dapo.data.render import render_prompt_ids
+from megatron_dapo.hf_files import HFCheckpointError
+from megatron_dapo.loop import run_dir
 from megatron_dapo.loop.phases import Phases
+from megatron_dapo.loop.preflight import SetupError, check_model, checkpoint_bytes
 from megatron_dapo.metrics import Alarms, MetricsWriter, PhaseTimer
 from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.types import Prompt
@@ -25,8 +30,10 @@ from megatron_dapo.types import Prompt
 log = logging.getLogger(__name__)
 
 
-class SetupError(RuntimeError):
-    """A run cannot start (missing model, empty dataset): reported without a traceback."""
+__all__ = ["RunState", "SetupError", "build_run", "config_changes", "load_train_prompts", "load_val_prompts"]
+# Settings a resumed run may change without being "a different run".
+_MAY_CHANGE = ("checkpoint.", "train.steps", "model.load", "logging.tensorboard_dir", "logging.run_name",
+               "rollout.sglang.base_port", "rollout.sglang.startup_timeout_s", "rollout.sglang.request_timeout_s")
 
 
 @dataclass
@@ -47,6 +54,9 @@ class RunState:
     samples_generated: int = 0
     servers: list[Any] = field(default_factory=list)
     """SGLang: servers this rank started for rank 0 to drive (a node leader's); finish() stops them."""
+    lock: run_dir.RunLock | None = None
+    """The run folder's lock (rank 0); released by close()."""
+    last_saved: int | None = None
     timer: PhaseTimer = field(default_factory=PhaseTimer)
 
     @property
@@ -86,23 +96,26 @@ class RunState:
                  "samples_generated": self.samples_generated, "config": to_dict(self.cfg)}
         save_checkpoint(self.actor, self.ckpt_root, step, trainer_state=state, keep_last=self.cfg.checkpoint.keep_last,
                         hf_dir=self.hf_dir)
+        self.last_saved = step
 
-    def resume(self) -> None:
-        """Continue from checkpoint.resume (auto: the newest complete checkpoint of this run, if any)."""
-        resume = self.cfg.checkpoint.resume
-        path = latest_checkpoint(self.ckpt_root) if resume == "auto" else None if resume == "none" else Path(resume)
+    def resume(self, path: Path | None) -> None:
+        """Continue from the checkpoint run_dir.claim chose (None: start from scratch)."""
         if path is None:
             return
-        extra = load_checkpoint(self.actor, path)
+        extra = load_checkpoint(self.actor, path, verify=False)  # claim() verified it
         trainer = extra.get("trainer", {})
         if self.prompts is not None and trainer.get("data"):
             self.prompts.load_state_dict(trainer["data"])
         self.alarms.load_state_dict(trainer.get("alarms", {}))
         self.samples_generated = int(trainer.get("samples_generated", 0))
-        self.start_step = int(extra["step"])
+        self.start_step = self.last_saved = int(extra["step"])
         self.writer.load_history(self.start_step)
         if self.is_driver:
             log.info("resumed from %s (step %d)", path, self.start_step)
+            changes = config_changes(trainer.get("config") or {}, to_dict(self.cfg))
+            if changes:
+                log.warning("!!! RESUMING A RUN WITH A DIFFERENT CONFIG: %s was written with %s. If this is "
+                            "another experiment, give it its own logging.run_name.", path, "; ".join(changes))
 
     def finish(self) -> None:
         if self.cfg.checkpoint.export_hf:
@@ -114,44 +127,80 @@ class RunState:
         png = self.writer.summary_png()
         if png is not None:
             log.info("dynamics summary: %s", png)
+        self.close()
+
+    def close(self) -> None:
+        """Stop what the run started and release its folder (also after an error or a signal)."""
         self.writer.close()
         if self.engine is not None:
             self.engine.shutdown()
         for server in self.servers:
             server.shutdown()
+        if self.lock is not None:
+            self.lock.release()
+
+
+def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """`key: saved -> now` for every setting that differs, except those a resumed run may change."""
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        dotted, a, b = f"{prefix}{key}", saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, dotted + ".")
+        elif a != b and not dotted.startswith(_MAY_CHANGE):
+            out.append(f"{dotted}: {a!r} -> {b!r}")
+    return out
 
 
 def build_run(cfg: Config) -> RunState:
-    """Initialise processes, actor, engine, data and metrics; resume if a checkpoint is found."""
-    from transformers import AutoTokenizer
-
+    """Initialise processes; check the model and the run folder (lock it, choose the checkpoint to resume);
+    then build actor, engine, data and metrics, and resume."""
     parallel.initialize(cfg.parallel, seed=cfg.train.seed)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
     hf_dir = cfg.model.hf_dir
-    if not hf_dir or not (Path(hf_dir) / "config.json").is_file():
-        raise SetupError(f"model.hf_dir={hf_dir!r} has no config.json (for the tiny CPU run, build it with "
-                         "`python tools/make_tiny_base.py --out checkpoints/tiny_base`)")
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature)
+    try:
+        tokenizer = check_model(hf_dir)
+    except SetupError as e:
+        raise preflight_error(e) from None
+    folder = Path(cfg.checkpoint.dir) / cfg.logging.run_name
+    lock = run_dir.open_folder(folder, checkpoint_bytes(hf_dir, bf16=param_dtype(cfg.model) == torch.bfloat16))
+    try:
+        start, notes = run_dir.claim(folder, cfg.checkpoint.resume, cfg.checkpoint.overwrite)
+        for note in notes if parallel.is_main() else []:
+            log.warning(note)
+        run = _build(cfg, hf_dir, tokenizer, folder, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    run.resume(start)
+    if run.start_step > 0 or cfg.model.load:
+        run.phases.sync()  # the engine started from hf_dir; give it the trained weights
+    return run
+
+
+def _build(cfg: Config, hf_dir: str, tokenizer: Any, folder: Path, lock: run_dir.RunLock | None) -> RunState:
+    try:
+        actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature)
+    except (UnsupportedModelError, HFCheckpointError) as e:
+        raise SetupError(f"model.hf_dir={hf_dir}: {e}") from None
     if cfg.model.load:
-        load_checkpoint(actor, cfg.model.load, load_optimizer=False, load_rng=False)
+        try:
+            load_checkpoint(actor, cfg.model.load, load_optimizer=False, load_rng=False)
+        except CheckpointError as e:
+            raise preflight_error(SetupError(f"model.load: {e}")) from None
     driver = parallel.is_main()
     servers = _start_sglang(cfg, hf_dir) if cfg.rollout.engine == "sglang" else None
     engine = servers.engine if servers is not None else _embedded_engine(hf_dir) if driver else None
-    run = RunState(
+    return RunState(
         cfg=cfg, actor=actor, tokenizer=tokenizer, engine=engine,
         phases=Phases(actor, engine, cfg.rollout.colocate),
         prompts=_train_iterator(cfg, tokenizer) if driver else None,
         val_prompts=load_val_prompts(cfg, tokenizer) if driver else [],
         writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver),
         alarms=Alarms(cfg.logging, cfg.rollout.max_response_len),
-        ckpt_root=Path(cfg.checkpoint.dir) / cfg.logging.run_name, hf_dir=hf_dir,
-        servers=servers.owned if servers is not None else [])
-    run.resume()
-    if run.start_step > 0 or cfg.model.load:
-        run.phases.sync()  # the engine started from hf_dir; give it the trained weights
-    return run
+        ckpt_root=folder, hf_dir=hf_dir, servers=servers.owned if servers is not None else [], lock=lock)
 
 
 def _train_iterator(cfg: Config, tokenizer: Any) -> PromptIterator:
