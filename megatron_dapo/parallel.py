@@ -79,7 +79,11 @@ def initialize(cfg: ParallelConfig, *, seed: int, timeout_s: float = 600.0) -> L
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
-        dist.init_process_group(backend_for(cfg), rank=env.rank, world_size=env.world_size,
+        store = None
+        if single_node(env):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets stay local as well
+            store = loopback_store(env, timedelta(seconds=timeout_s))
+        dist.init_process_group(backend_for(cfg), rank=env.rank, world_size=env.world_size, store=store,
                                 timeout=timedelta(seconds=timeout_s))
     tp, pp, ep = cfg.tensor_parallel, cfg.pipeline_parallel, cfg.expert_parallel
     if env.world_size % (tp * pp):
@@ -94,6 +98,29 @@ def initialize(cfg: ParallelConfig, *, seed: int, timeout_s: float = 600.0) -> L
                                      expert_model_parallel_size=ep)
     seed_all(seed)
     return env
+
+
+def single_node(env: LaunchEnv, environ: dict[str, str] | None = None) -> bool:
+    """Every rank on this machine (one process; srun on one node; MASTER_ADDR on loopback), and no
+    torchrun agent that owns the store already."""
+    e = os.environ if environ is None else environ
+    if e.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return False
+    nodes = e.get("SLURM_JOB_NUM_NODES") or e.get("SLURM_NNODES")
+    return env.world_size == 1 or nodes == "1" or env.master_addr in ("127.0.0.1", "localhost", "::1")
+
+
+def loopback_store(env: LaunchEnv, timeout: timedelta) -> dist.TCPStore:
+    """The rendezvous store of a single-node job, listening on 127.0.0.1 only (torch's own binds every
+    interface, whatever MASTER_ADDR says)."""
+    if env.rank != 0:
+        return dist.TCPStore("127.0.0.1", env.master_port, env.world_size, False, timeout=timeout)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", env.master_port))
+    sock.listen()
+    return dist.TCPStore("127.0.0.1", env.master_port, env.world_size, True, timeout=timeout,
+                         master_listen_fd=sock.detach())
 
 
 def seed_all(seed: int) -> None:

@@ -11,23 +11,45 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from pathlib import Path
 
 from megatron_dapo import parallel
-from megatron_dapo.cli import quiet_third_party
+from megatron_dapo.actor.actor import NonFiniteWeightsError
+from megatron_dapo.actor.checkpoint import CheckpointError, latest_checkpoint, step_dir
+from megatron_dapo.cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError, print_error, quiet_third_party
 from megatron_dapo.config import Config, ConfigError, build_parser, load_config, to_yaml, validate
 from megatron_dapo.loop import distribute, scalars
 from megatron_dapo.loop.collect import StepRollout, collect_step, evaluate, step_sampling
 from megatron_dapo.loop.old_policy import apply_rollout_correction, old_logprobs
-from megatron_dapo.loop.state import RunState, SetupError, build_run
+from megatron_dapo.loop.preempt import Preempted, StopSignals
+from megatron_dapo.loop.state import RunState, build_run
 from megatron_dapo.metrics import progress
 
 log = logging.getLogger(__name__)
 
 
 def train(cfg: Config) -> dict[str, float]:
-    """Run the configured steps (resuming if asked); returns the last step's scalars."""
-    run = build_run(cfg)
-    out: dict[str, float] = {}
+    """Run the configured steps (resuming if asked); returns the last step's scalars. On SIGTERM / SIGUSR1
+    the step in flight is finished and saved, then Preempted is raised."""
+    stop = StopSignals().install()
+    try:
+        run = build_run(cfg)
+        try:
+            out = _steps(run, stop)
+            run.finish()
+        except BaseException:
+            run.close()
+            raise
+    finally:
+        stop.restore()
+    return out
+
+
+def _steps(run: RunState, stop: StopSignals) -> dict[str, float]:
+    cfg, out = run.cfg, {}
+    if signum := stop.requested():  # while starting: nothing new to save
+        last = run.last_saved
+        raise Preempted(signum, run.start_step, None if last is None else str(step_dir(run.ckpt_root, last)))
     if run.start_step == 0 and run.wants_eval(0):
         write(run, 0, validate_policy(run, 0))
     bar = progress(range(run.start_step + 1, cfg.train.steps + 1), enabled=run.is_driver)
@@ -37,14 +59,16 @@ def train(cfg: Config) -> dict[str, float]:
         if run.wants_eval(step) or (last and run.val_prompts):
             out.update(validate_policy(run, step))
         write(run, step, out, bar)
-        if run.wants_checkpoint(step) or last:
+        signum = stop.requested()
+        if run.wants_checkpoint(step) or last or signum:
             run.save(step)
+        if signum:
+            raise Preempted(signum, step, str(step_dir(run.ckpt_root, step)))
         if last:
             log.info("rollout budget of %d responses spent after step %d", cfg.train.rollout_budget, step)
             break
     if hasattr(bar, "close"):
         bar.close()
-    run.finish()
     return out
 
 
@@ -123,14 +147,32 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg), end="")
     if args.dry_run:
         return 0
+    return run_training(cfg)
+
+
+def run_training(cfg: Config) -> int:
+    """train(cfg), every way it can end turned into one line on stderr and an exit code: 0 done;
+    2 bad input (model, data, run folder); 1 the run failed (non-finite weights, a bad checkpoint);
+    128 + signal after a preemption checkpoint; 130 on Ctrl-C (the last complete checkpoint intact)."""
     try:
         train(cfg)
-    except SetupError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 0
+    except UserError as e:
+        print_error("train", e)
+        return EXIT_USER_ERROR
+    except (NonFiniteWeightsError, CheckpointError) as e:
+        print_error("train", e)
+        return 1
+    except Preempted as e:
+        print_error("train", e, kind="preempted", same_on_all_ranks=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        last = latest_checkpoint(Path(cfg.checkpoint.dir) / cfg.logging.run_name)
+        print_error("train", f"last complete checkpoint: {last or 'none'}", kind="interrupted (Ctrl-C)",
+                    same_on_all_ranks=True)
+        return EXIT_INTERRUPTED
     finally:
         parallel.destroy()
-    return 0
 
 
 if __name__ == "__main__":

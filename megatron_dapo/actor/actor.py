@@ -18,6 +18,10 @@ from megatron_dapo.offload import HostOffload, device_bytes
 from megatron_dapo.types import TrainBatch
 
 
+class NonFiniteWeightsError(RuntimeError):
+    """An optimizer step left inf/NaN in the weights: training stops; such weights are never saved."""
+
+
 def _finalize_grads_unscaled(model, num_tokens=None, *args, **kwargs):
     """Megatron's grad finalisation (DP all-reduce, tied embeddings) without dividing by tokens."""
     from megatron.core.distributed import finalize_model_grads
@@ -183,7 +187,19 @@ class Actor:
             return {**metrics, "grad_norm": float("nan"), "update_ok": 0.0}
         ok, grad_norm, _ = self.optimizer.step()
         self.updates += 1
+        if not self.weights_finite():
+            raise NonFiniteWeightsError(
+                f"update {self.updates}: the optimizer step left inf/NaN in the weights (lr {current_lr(self.optimizer):g}, "
+                f"grad norm {float(grad_norm or 0.0):g}); stopped before saving them (lower actor.optimizer.lr?)")
         return {**metrics, "grad_norm": float(grad_norm or 0.0), "update_ok": float(bool(ok))}
+
+    def weights_finite(self) -> bool:
+        """Collective: True when every rank's weights are finite (one fused reduction per tensor)."""
+        sums = [p.detach().sum(dtype=torch.float32) for p in self.module.parameters()]
+        bad = (~torch.isfinite(torch.stack(sums)).all()).float().reshape(1).to(parallel.device())
+        if dist.is_initialized() and parallel.world_size() > 1:
+            dist.all_reduce(bad)
+        return not bool(bad.item())
 
     def _grads_finite(self) -> bool:
         return all(bool(torch.isfinite(buf.grad_data.sum())) for buf in self._buffers())

@@ -267,7 +267,10 @@ class CheckpointConfig:
     keep_last: int = 3
     """Keep this many most recent checkpoints."""
     resume: str = "auto"
-    """auto = continue from the latest complete checkpoint if any; none; or a checkpoint path."""
+    """auto = continue from the newest checkpoint of this run that verifies; none; or a checkpoint path."""
+    overwrite: bool = False
+    """Delete what the run folder holds of another run (or checkpoints newer than the one resumed) instead
+    of refusing to start: a run owns <dir>/<logging.run_name>/."""
     export_hf: bool = True
     """Export the final policy in Hugging Face format."""
 
