@@ -19,6 +19,7 @@ from megatron_dapo.loop import distribute, scalars
 from megatron_dapo.loop.collect import StepRollout, collect_step, evaluate, step_sampling
 from megatron_dapo.loop.old_policy import apply_rollout_correction, old_logprobs
 from megatron_dapo.loop.state import RunState, SetupError, build_run
+from megatron_dapo.loop.stream import collect_stream, group_sampling, rollout_cost_scalars
 from megatron_dapo.metrics import progress
 
 log = logging.getLogger(__name__)
@@ -51,17 +52,13 @@ def train(cfg: Config) -> dict[str, float]:
 def dapo_step(run: RunState, step: int) -> dict[str, float]:
     """One DAPO step: rollout -> rewards -> dynamic sampling -> advantages -> pi_old -> updates -> sync."""
     cfg, timer, t_step = run.cfg, run.timer, time.perf_counter()
-    with timer("rollout"):  # (generation and reward scoring happen round by round)
-        rollout: StepRollout | None = None
-        if run.is_driver:
-            rollout = collect_step(run.engine, run.tokenizer, run.next_prompts, target_groups=cfg.train.prompt_batch_size,
-                                   algo=cfg.algo, reward=cfg.reward, max_response_len=cfg.rollout.max_response_len,
-                                   sampling=lambda r: step_sampling(cfg, step, r, run.eos_ids))
-        rollout = distribute.share(rollout)
+    with timer("rollout"):  # (generation and reward scoring happen round by round, or group by group)
+        rollout = distribute.share(collect(run, step) if run.is_driver else None)
     timer.move("rollout", "reward", rollout.reward_seconds)
     run.samples_generated += sum(len(g.samples) for g in rollout.generated)
     groups = distribute.trainable(rollout.groups, run.num_mini_batches)
     out = scalars.rollout_scalars(rollout, samples_total=run.samples_generated, groups_trained=len(groups))
+    out.update(rollout_cost_scalars(rollout, cfg.algo))
     if not groups:
         log.warning("step %d: no informative group to train on; skipping the update", step)
         return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, 0, None)}
@@ -78,6 +75,19 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     out.update(scalars.update_scalars(update, parallel.dp_sum(scalars.token_sums(batch, entropy))))
     tokens = int(batch.lengths.sum())
     return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, tokens, sync.bytes)}
+
+
+def collect(run: RunState, step: int) -> StepRollout:
+    """The step's groups (driver only): streamed (`rollout.streaming`) or in synchronous rounds."""
+    cfg = run.cfg
+    common = dict(target_groups=cfg.train.prompt_batch_size, algo=cfg.algo, reward=cfg.reward,
+                  max_response_len=cfg.rollout.max_response_len)
+    if cfg.rollout.streaming:
+        return collect_stream(run.engine, run.tokenizer, run.next_prompts, **common,
+                              sampling=lambda g: group_sampling(cfg, step, g, run.eos_ids),
+                              max_inflight_groups=cfg.rollout.max_inflight_groups)
+    return collect_step(run.engine, run.tokenizer, run.next_prompts, **common,
+                        sampling=lambda r: step_sampling(cfg, step, r, run.eos_ids))
 
 
 def validate_policy(run: RunState) -> dict[str, float]:

@@ -62,6 +62,8 @@ def _problems(cfg: Config) -> list[str]:
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not os.path.isdir(resume):
         p.append(f"checkpoint.resume={resume!r} must be auto, none or an existing checkpoint folder")
+    if r.max_inflight_groups < 0:
+        p.append(f"rollout.max_inflight_groups={r.max_inflight_groups} must be >= 0 (0 = automatic)")
     if r.sglang.num_servers < 0:
         p.append(f"rollout.sglang.num_servers={r.sglang.num_servers} must be >= 0 (0 = fill the node)")
     if not 0.0 < r.sglang.mem_fraction_static < 1.0:

@@ -12,6 +12,9 @@ Sampling and logprob semantics are those of `base.py` (SGLang's default): the re
 log softmax(logits / T) of the sampled token, before top-p truncation (top-p uses transformers'
 TopPLogitsWarper). Sampling draws from a per-call torch.Generator, so a seed reproduces a call
 exactly (for the same prompts, n and max_batch_tokens).
+
+`stream()` is the streaming rollout (continuous.py): groups join a running batch as rows finish, and
+come out as soon as their n samples are done.
 """
 
 from __future__ import annotations
@@ -30,39 +33,18 @@ from megatron_dapo.rollout.base import (
     EngineStateError,
     GenerationAborted,
     RolloutEngine,
+    RolloutStream,
     SamplingParams,
     check_prompts,
 )
+from megatron_dapo.rollout.continuous import EmbeddedStream
 from megatron_dapo.rollout.decoders import Decoder, HFDecoder, LlamaDecoder, llama_fast_path_ok
+from megatron_dapo.rollout.sampling import sample_next
+from megatron_dapo.rollout.slots import SlotDecoder, WaveDecoder
 from megatron_dapo.types import Sample
 
 _COMPACT_BELOW = 0.75
 """Drop stopped rows from the batch once fewer than this fraction of its rows are still running."""
-
-
-def sample_next(logits: Tensor, sampling: SamplingParams, generator: torch.Generator,
-                top_p: TopPLogitsWarper | None = None) -> tuple[Tensor, Tensor]:
-    """Next token per row and its logprob under softmax(logits / T) (pre top-p; T=0: argmax, T=1)."""
-    logits = logits.float()
-    if sampling.greedy:
-        tokens = logits.argmax(-1)
-        logprobs = logits.log_softmax(-1)
-    else:
-        scaled = logits / sampling.temperature
-        logprobs = scaled.log_softmax(-1)
-        probs = top_p(None, scaled).softmax(-1) if top_p is not None else logprobs.exp()
-        tokens = _draw(probs, generator)
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
-
-
-def _draw(probs: Tensor, generator: torch.Generator) -> Tensor:
-    """One token per row by inverse CDF: one uniform per row (torch.multinomial draws one per
-    vocabulary entry, which made it the costliest op of a small-model decode step)."""
-    cdf = probs.cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype)
-    # x in (0, total]: the first index with cdf >= x is never a zero-probability token (cut by top-p).
-    x = (1.0 - u) * cdf[:, -1:]
-    return torch.searchsorted(cdf, x).squeeze(1)
 
 
 def _plan(lengths: Sequence[int], n: int, new_tokens: int, budget: int) -> list[list[tuple[int, int]]]:
@@ -201,6 +183,15 @@ class EmbeddedEngine(RolloutEngine):
                 rows, running, next_tokens = rows[keep], running[keep], next_tokens[keep]
             logits = decoder.step(next_tokens)
         return tokens.cpu(), logprobs.cpu(), lengths.cpu(), stopped.cpu()
+
+    def stream(self) -> RolloutStream:
+        """Continuous batching within max_batch_tokens (continuous.py); several streams may be open."""
+        self._check_open()
+        slots = SlotDecoder if self._decoder_cls is LlamaDecoder else WaveDecoder
+        return EmbeddedStream(slots(self.model, self.max_batch_tokens), eos=self._eos,
+                              vocab=self.model.get_output_embeddings().weight.shape[0], device=self.device,
+                              engine_lock=self._busy, ready=self._check_ready,
+                              check_prompts=self._check_vocab)
 
     # ------------------------------------------------------------------------- weights and state
 
