@@ -70,6 +70,7 @@ class SGLangStream(RolloutStream):
         self._cond = threading.Condition()
         self._futures: dict[int, Future] = {}  # pending groups of the current epoch
         self._ready: dict[int, Any] = {}  # their results, in arrival order
+        self._failed: dict[int, BaseException] = {}  # groups whose call failed (raised by next())
         self._running: dict[tuple[int, int], list[str]] = {}  # (epoch, key) -> request ids in flight
         self._late_tokens: dict[int, int] = {}  # epoch -> tokens of its calls that returned after abort()
         self._epoch = 0  # bumped by abort(): calls of an older epoch report to _late_tokens
@@ -91,14 +92,17 @@ class SGLangStream(RolloutStream):
                 raise EngineStateError(f"SGLang stream on {self._server.url}: no group is pending")
             epoch = self._epoch
             while not self._ready:  # every call delivers a result; every call is bounded
+                if self._failed and len(self._failed) == len(self._futures):
+                    raise next(iter(self._failed.values()))
                 self._cond.wait()
                 if self._epoch != epoch:
                     raise GenerationAborted(f"the stream on {self._server.url} was aborted")
             key = next(iter(self._ready))
             item = self._ready.pop(key)
+            if isinstance(item, BaseException):  # the group stays pending (abort() reports it)
+                self._failed[key] = item
+                raise item
             del self._futures[key]
-        if isinstance(item, BaseException):
-            raise item
         if isinstance(item, _Cancelled):
             raise GenerationAborted(f"group {key} was aborted on {self._server.url}")
         return item
@@ -106,7 +110,7 @@ class SGLangStream(RolloutStream):
     def abort(self) -> AbortReport:
         with self._cond:
             futures, ready = self._futures, self._ready
-            self._futures, self._ready = {}, {}
+            self._futures, self._ready, self._failed = {}, {}, {}
             epoch = self._epoch
             self._epoch += 1
             self._late_tokens[epoch] = 0
