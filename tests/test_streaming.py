@@ -132,6 +132,16 @@ def test_a_group_does_not_depend_on_its_batch(model):
     assert [s.response_ids for s in other[0]] != [s.response_ids for s in together[0]]
 
 
+def test_the_next_stream_reuses_the_kv_memory(model):
+    engine = EmbeddedEngine(model)
+    first = run(engine, requests())
+    kept = engine._spare
+    assert kept is not None and kept.rows == 0 and kept.slots > 0
+    second = run(engine, requests()[::-1])
+    assert engine._spare is kept
+    assert_same(first, second)
+
+
 def test_finished_rows_are_refilled_at_once(model, monkeypatch):
     """Continuous batching: a row that finishes at one step is replaced at the next; while rows wait,
     every step samples a full batch of slots."""

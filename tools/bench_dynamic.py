@@ -7,9 +7,9 @@ response length depend on the prompt and the sample: a long tail, some responses
 ids; prompt i has a difficulty p_i in {0.03, 0.5, 0.97} (one third each) and a sample is "correct"
 when a hash of (prompt, response ids) falls below p_i: informativeness is independent of length and
 the kept fraction is about 0.47, as for a policy mid-training. Both modes run the same engine, prompts,
-N, G, sampling and dynamic-sampling config: "rounds" is loop/collect.py's loop (DynamicSampler, one
-blocking generate per round), "streaming" is loop/stream.py's `stream_groups`. Steps alternate which
-mode goes first. wall_s sums the steps' rollout times; wasted_tokens: surplus groups trimmed (rounds) or
+N, G, sampling and dynamic-sampling config, and each step the same prompt sequence: "rounds" is
+loop/collect.py's loop (DynamicSampler, one blocking generate per round), "streaming" is loop/stream.py's
+`stream_groups`. Steps alternate which mode goes first. wall_s sums the steps' rollout times; wasted_tokens: surplus groups trimmed (rounds) or
 aborted groups' tokens (streaming); kept_response_len is the kept samples' mean length (streaming
 favours groups that finish early).
 """
@@ -41,7 +41,7 @@ DIFFICULTY = (0.03, 0.5, 0.97)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("--dynamic (rounds vs streaming)")
     g.add_argument("--engines", default="embedded,sglang", help="comma-separated: embedded, sglang")
-    g.add_argument("--steps", type=int, default=4)
+    g.add_argument("--steps", type=int, default=6)
     g.add_argument("--groups", type=int, default=8, help="N: informative groups per step")
     g.add_argument("--group-size", type=int, default=8, help="G")
     g.add_argument("--max-new-tokens", type=int, default=256)
@@ -124,12 +124,11 @@ MODES: dict[str, Callable] = {"rounds": rounds, "streaming": streaming}
 def compare(engine_name: str, engine: RolloutEngine, args: argparse.Namespace) -> list[dict]:
     algo = AlgoConfig(group_size=args.group_size, gen_batch_multiplier=args.gen_batch_multiplier)
     totals = {m: {"kept": 0, "wall": 0.0, "tokens": 0, "wasted": 0, "lens": []} for m in MODES}
-    iters = {m: prompt_stream(7) for m in MODES}
     for step in range(args.steps):
         order = list(MODES) if step % 2 == 0 else list(MODES)[::-1]
         for mode in order:
             t0 = time.perf_counter()
-            kept, (tokens, wasted) = MODES[mode](engine, iters[mode], algo, args, step)
+            kept, (tokens, wasted) = MODES[mode](engine, prompt_stream(1000 + step), algo, args, step)
             t = totals[mode]
             t["wall"] += time.perf_counter() - t0
             t["kept"] += len(kept)

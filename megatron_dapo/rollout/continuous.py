@@ -61,14 +61,17 @@ class EmbeddedStream(RolloutStream):
     `eos`: the model's EOS ids (stop unless a request ignores EOS). `vocab`: the logits' width.
     `engine_lock` is held for each decode step (no weight update or blocking generate mid-step);
     `ready()` raises when the engine cannot run (asleep, shut down); `check_prompts(prompts)` validates
-    token ids. All requests of a stream share temperature and top-p.
+    token ids; `on_close(decoder)` takes the decoder back (its KV memory serves the engine's next stream).
+    All requests of a stream share temperature and top-p.
     """
 
     def __init__(self, decoder: RowDecoder, *, eos: set[int], vocab: int, device: torch.device,
                  engine_lock: threading.Lock, ready: Callable[[], None],
-                 check_prompts: Callable[[Sequence[Sequence[int]]], None]) -> None:
+                 check_prompts: Callable[[Sequence[Sequence[int]]], None],
+                 on_close: Callable[[RowDecoder], None] = lambda decoder: None) -> None:
         self._decoder, self._eos, self._vocab, self._device = decoder, set(eos), vocab, device
         self._engine_lock, self._ready, self._check_prompts = engine_lock, ready, check_prompts
+        self._on_close = on_close
         self._queue_lock = threading.Lock()  # _groups, _waiting, _done, _need (submit vs the pump)
         self._pump = threading.Lock()  # one next() at a time; abort() waits for it
         self._abort = threading.Event()
@@ -135,6 +138,13 @@ class EmbeddedStream(RolloutStream):
             self._reset_rows()
             self._abort.clear()
         return AbortReport(keys=keys, tokens=tokens)
+
+    def close(self) -> None:
+        """Abort what is pending and hand the (empty) decoder back to the engine for its next stream."""
+        super().close()
+        with self._pump:
+            if not self._decoder.rows:
+                self._on_close(self._decoder)
 
     def _check_request(self, r: GroupRequest) -> None:
         if r.key in self._groups:

@@ -108,6 +108,7 @@ class EmbeddedEngine(RolloutEngine):
         self._busy = threading.Lock()
         self._abort = threading.Event()
         self._asleep = self._closed = False
+        self._spare: SlotDecoder | WaveDecoder | None = None
 
     # ---------------------------------------------------------------------------------- generate
 
@@ -185,13 +186,18 @@ class EmbeddedEngine(RolloutEngine):
         return tokens.cpu(), logprobs.cpu(), lengths.cpu(), stopped.cpu()
 
     def stream(self) -> RolloutStream:
-        """Continuous batching within max_batch_tokens (continuous.py); several streams may be open."""
+        """Continuous batching within max_batch_tokens (continuous.py); several streams may be open. A
+        closed stream's decoder (and its KV memory) serves the next one; sleep() releases it."""
         self._check_open()
         slots = SlotDecoder if self._decoder_cls is LlamaDecoder else WaveDecoder
-        return EmbeddedStream(slots(self.model, self.max_batch_tokens), eos=self._eos,
-                              vocab=self.model.get_output_embeddings().weight.shape[0], device=self.device,
-                              engine_lock=self._busy, ready=self._check_ready,
-                              check_prompts=self._check_vocab)
+        decoder, self._spare = self._spare or slots(self.model, self.max_batch_tokens), None
+        return EmbeddedStream(decoder, eos=self._eos, vocab=self.model.get_output_embeddings().weight.shape[0],
+                              device=self.device, engine_lock=self._busy, ready=self._check_ready,
+                              check_prompts=self._check_vocab, on_close=self._keep_decoder)
+
+    def _keep_decoder(self, decoder: SlotDecoder | WaveDecoder) -> None:
+        if not self._closed and not (self._asleep and self.device.type != "cpu"):
+            self._spare = decoder
 
     # ------------------------------------------------------------------------- weights and state
 
@@ -214,6 +220,7 @@ class EmbeddedEngine(RolloutEngine):
         with self._busy:
             self._check_open()
             if self.device.type != "cpu" and not self._asleep:
+                self._spare = None  # a kept stream decoder's KV cache
                 self.model.to("cpu")
                 getattr(torch, self.device.type).empty_cache()
             self._asleep = True
@@ -237,6 +244,7 @@ class EmbeddedEngine(RolloutEngine):
         self.abort()
         with self._busy:
             self._closed = True
+            self._spare = None
             self._params = {}
             self.model = None  # type: ignore[assignment]
 

@@ -61,21 +61,16 @@ class GroupStream(RolloutStream):
         with self._cond:
             if len(set(keys)) != len(keys) or any(key in self._owner for key in keys):
                 raise ValueError(f"group keys {keys} repeat each other or a pending group")
+            load = list(self._owed)
             placed: dict[int, list[GroupRequest]] = defaultdict(list)
             for r in requests:
-                k = self._least_loaded()
+                k = self._least_loaded(load)
                 placed[k].append(r)
-                self._owed[k] += 1
-            submitted: set[int] = set()
-            try:
-                for k, reqs in placed.items():
-                    self._streams[k].submit(reqs)
-                    self._owner.update((r.key, k) for r in reqs)
-                    submitted.add(k)
-            except BaseException:
-                for k, reqs in placed.items():
-                    self._owed[k] -= 0 if k in submitted else len(reqs)
-                raise
+                load[k] += 1
+            for k, reqs in placed.items():  # a refused submit leaves the earlier engines' groups pending
+                self._streams[k].submit(reqs)
+                self._owner.update((r.key, k) for r in reqs)
+                self._owed[k] += len(reqs)
             self._cond.notify_all()
 
     def next(self) -> GroupResult:
@@ -121,11 +116,11 @@ class GroupStream(RolloutStream):
                 self._closed = True
                 self._cond.notify_all()
 
-    def _least_loaded(self) -> int:
+    def _least_loaded(self, load: list[int]) -> int:
         live = [k for k in range(len(self._streams)) if k not in self._failed]
         if not live:
             raise EngineGroupFailure(f"every rollout engine failed: {', '.join(self._names)}")
-        return min(live, key=lambda k: ((self._owed[k] + 1) / self._weights[k], k))
+        return min(live, key=lambda k: ((load[k] + 1) / self._weights[k], k))
 
     def _pump(self, k: int) -> None:
         """Engine k's thread: wait for its groups, forward each as it finishes."""

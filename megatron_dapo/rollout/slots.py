@@ -143,8 +143,9 @@ class SlotDecoder(LlamaDecoder):
         holes = done[:kept].nonzero().squeeze(1)  # freed rows inside the new range ...
         movers = keep[keep >= kept]  # ... take the running rows beyond it
         if holes.numel():
+            width = int(self.lens[movers].max())  # the movers' filled part
             for cache in self.keys + self.values:
-                cache[holes] = cache[movers]
+                cache[holes, :, :width] = cache[movers, :, :width]
             self.lens[holes] = self.lens[movers]
             order[holes] = movers
         self.rows = kept

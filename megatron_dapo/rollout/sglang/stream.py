@@ -144,8 +144,9 @@ class SGLangStream(RolloutStream):
                 wait(not_done, timeout=1.0)
 
     def _abort_one(self, rid: str) -> None:
-        with suppress(Exception):  # a dead server fails the group's own call, which reports it
-            self._server.post("/abort_request", {"rid": rid}, timeout=30)
+        """One plain bounded request (no watcher thread): a dead server fails the group's own call."""
+        with suppress(Exception):
+            self._server._http("POST", "/abort_request", {"rid": rid}, timeout=30)
 
     def _run(self, r: GroupRequest, epoch: int) -> None:
         rids = [f"{self._id}:{r.key}:{k}" for k in range(r.n)]
