@@ -23,6 +23,7 @@ from megatron_dapo.loop.collect import StepRollout, collect_step, evaluate, step
 from megatron_dapo.loop.old_policy import apply_rollout_correction, old_logprobs
 from megatron_dapo.loop.preempt import Preempted, StopSignals
 from megatron_dapo.loop.state import RunState, build_run
+from megatron_dapo.loop.stream import collect_stream, group_sampling, rollout_cost_scalars
 from megatron_dapo.metrics import progress
 
 log = logging.getLogger(__name__)
@@ -76,12 +77,8 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     """One DAPO step: rollout -> rewards -> dynamic sampling -> advantages -> pi_old -> updates -> sync."""
     cfg, timer, t_step = run.cfg, run.timer, time.perf_counter()
     run.phases.generate()
-    with timer("rollout"):  # (generation and reward scoring happen round by round)
-        rollout: StepRollout | None = None
-        if run.is_driver:
-            rollout = collect_step(run.engine, run.tokenizer, run.next_prompts, target_groups=cfg.train.prompt_batch_size,
-                                   algo=cfg.algo, scorer=run.scorer,
-                                   sampling=lambda r: step_sampling(cfg, step, r, run.eos_ids))
+    with timer("rollout"):  # (generation and reward scoring happen round by round, or group by group)
+        rollout = collect(run, step) if run.is_driver else None
         rows = distribute.step_rows(rollout, num_mini_batches=run.num_mini_batches,
                                     overlong_filtering=cfg.algo.overlong_filtering, pad_id=run.tokenizer.pad_token_id or 0)
     timer.move("rollout", "reward", rollout.reward_seconds if rollout is not None else 0.0)
@@ -92,6 +89,7 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
         out.update(scalars.rollout_scalars(rollout, samples_total=run.samples_generated,
                                            groups_trained=rows.groups_trained))
         out.update(rollout.monitors())
+        out.update(rollout_cost_scalars(rollout, cfg.algo))
     out.update({"perf/rollout_bytes_total": float(rows.bytes_total),
                 "perf/rollout_bytes_max_recv": float(distribute.max_received(rows))})
     batch = rows.batch
@@ -110,6 +108,18 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     out.update(run.phases.ledger)
     tokens = int(batch.lengths.sum())
     return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, tokens, sync.bytes)}
+
+
+def collect(run: RunState, step: int) -> StepRollout:
+    """The step's groups (driver only): streamed (`rollout.streaming`) or in synchronous rounds."""
+    cfg = run.cfg
+    common = dict(target_groups=cfg.train.prompt_batch_size, algo=cfg.algo, scorer=run.scorer)
+    if cfg.rollout.streaming:
+        return collect_stream(run.engine, run.tokenizer, run.next_prompts, **common,
+                              sampling=lambda g: group_sampling(cfg, step, g, run.eos_ids),
+                              max_inflight_groups=cfg.rollout.max_inflight_groups)
+    return collect_step(run.engine, run.tokenizer, run.next_prompts, **common,
+                        sampling=lambda r: step_sampling(cfg, step, r, run.eos_ids))
 
 
 def validate_policy(run: RunState, step: int) -> dict[str, float]:

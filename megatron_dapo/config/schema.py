@@ -132,6 +132,13 @@ class RolloutConfig:
     """Nucleus sampling for training rollouts (paper: 1.0)."""
     weight_sync_bucket_mb: int = 512
     """Size of one weight-sync bucket in MiB (actor -> rollout)."""
+    streaming: bool = False
+    """Streaming rollout (loop/stream.py): groups are scored as each finishes, the stream is kept topped
+    up (algo.gen_batch_multiplier x missing / kept fraction in flight), and the step stops at N informative
+    groups, aborting the rest. false = synchronous rounds (loop/collect.py)."""
+    max_inflight_groups: int = 0
+    """Streaming: at most this many groups submitted and unfinished (0 = 2 x ceil(N x
+    gen_batch_multiplier))."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 

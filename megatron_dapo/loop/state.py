@@ -277,4 +277,4 @@ def _embedded_engine(actor: Actor, hf_dir: str, report: StartupReport, offloads_
     model, shared = model_on_actor_weights(actor, hf_dir)
     total = sum(p.numel() for p in model.parameters())
     report.engine = f"embedded, on the actor's weights ({shared / 1e6:.2f}M of {total / 1e6:.2f}M parameters shared)"
-    return EmbeddedEngine(model)
+    return EmbeddedEngine(model, borrowed=actor.module.parameters())

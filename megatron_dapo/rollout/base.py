@@ -4,6 +4,12 @@ The trainer only talks to `RolloutEngine`: generate G samples per prompt with pe
 release memory around training (`sleep`/`wake`), take fresh weights as a stream of HF-named
 tensors (`update_weights`), drop leftovers (`abort`), and report liveness (`health`).
 
+Besides the blocking `generate`, `stream()` opens a `RolloutStream`: submit groups (`GroupRequest`: a
+prompt, n, sampling with the group's own seed), receive each GROUP as soon as its n samples are
+finished, in completion order, and `abort()` what is left, learning what was cancelled. A group's
+samples depend only on its request (its seed), never on what else runs beside it, as far as the
+engine's arithmetic is batch-invariant (see each engine).
+
 Logprob semantics (all engines): `Sample.rollout_logprobs[t]` is
 log softmax(logits_t / temperature)[o_t], the temperature-scaled distribution BEFORE top-p
 truncation, which is what SGLang returns by default. With temperature 0 (greedy) it is the plain
@@ -16,6 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -96,6 +103,81 @@ def check_prompts(prompt_token_ids: Sequence[Sequence[int]], n: int) -> None:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
 
 
+@dataclass(frozen=True, kw_only=True)
+class GroupRequest:
+    """n samples of one prompt for a stream; `key` (the caller's group index) names it in results, aborts."""
+
+    key: int
+    prompt_ids: tuple[int, ...]
+    n: int
+    sampling: SamplingParams
+    """Per group: with a seed, sample k of the group draws from a random stream keyed by (seed + k)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        check_prompts([self.prompt_ids], self.n)
+
+
+@dataclass
+class GroupResult:
+    """A finished group: its n samples in sample order."""
+
+    key: int
+    samples: list[Sample]
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.response_len for s in self.samples)
+
+
+@dataclass
+class AbortReport:
+    """What `RolloutStream.abort()` cancelled."""
+
+    keys: list[int]
+    """The groups submitted and not returned by `next()`, in key order (queued, running, or finished
+    but not yet collected)."""
+    tokens: int
+    """Tokens generated for those groups before the abort (partial and finished responses)."""
+
+
+class RolloutStream(ABC):
+    """Groups in, finished groups out in completion order; one stream per engine at a time.
+
+    `next()` and `submit()` belong to one thread; `abort()` may also come from another thread, and then
+    a `next()` running there raises GenerationAborted. After `abort()` the stream is empty and usable.
+    """
+
+    @abstractmethod
+    def submit(self, requests: Sequence[GroupRequest]) -> None:
+        """Queue groups; they start as the engine has room. Keys must be unique among pending groups."""
+
+    @abstractmethod
+    def next(self) -> GroupResult:
+        """The next finished group (blocks, bounded by the engine's own timeouts). Raises
+        EngineStateError when nothing is pending; an engine failure propagates, naming the engine."""
+
+    @property
+    @abstractmethod
+    def pending(self) -> int:
+        """Groups submitted and not yet returned by `next()` or cancelled."""
+
+    @abstractmethod
+    def abort(self) -> AbortReport:
+        """Cancel every pending group and report them (also usable after an engine failure)."""
+
+    def close(self) -> None:
+        """Abort what is pending; the stream is closed (its engine can open a new one)."""
+        if self.pending:
+            self.abort()
+
+    def __enter__(self) -> RolloutStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 class RolloutEngine(ABC):
     """Generates groups of samples and takes weight updates; usable as a context manager."""
 
@@ -108,6 +190,10 @@ class RolloutEngine(ABC):
         finish_reason is "stop" when a stop/EOS token was sampled (kept in response_ids, with its
         logprob) and "length" when max_new_tokens was reached (truncated).
         """
+
+    def stream(self) -> RolloutStream:
+        """Open a `RolloutStream`; an engine that cannot stream raises NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} has no streaming rollout")
 
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

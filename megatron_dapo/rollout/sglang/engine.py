@@ -55,14 +55,17 @@ from megatron_dapo.rollout.base import (
     EngineStateError,
     GenerationAborted,
     RolloutEngine,
+    RolloutStream,
     SamplingParams,
     check_prompts,
     check_tags,
 )
 from megatron_dapo.rollout.sglang.server import SGLangServer, SGLangServerError
+from megatron_dapo.rollout.sglang.stream import SGLangStream
 from megatron_dapo.rollout.sglang.transport import WeightBroadcastGroup, serialized_bucket
 from megatron_dapo.rollout.sglang.wire import (
     cut_at_stop,
+    generate_body,
     iter_buckets,
     parse_generate_response,
     tensor_nbytes,
@@ -151,34 +154,21 @@ class SGLangEngine(SGLangServer, RolloutEngine):
             raise EngineStateError(f"SGLang engine {self.url} is asleep: call wake() before generate()")
         if not prompt_token_ids:
             return []
-        # n copies of each prompt, prompt-major (SGLang's own `n` warms up each prompt sequentially).
-        requests = [list(p) for p in prompt_token_ids for _ in range(n)]
-        params: dict[str, Any] = {
-            "max_new_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "ignore_eos": sampling.ignore_eos,
-        }
-        # SGLang's ignore_eos also ignores stop_token_ids; ours keeps them, so then we cut client-side.
-        cut_at = set(sampling.stop_token_ids) if sampling.ignore_eos else set()
-        if sampling.stop_token_ids and not cut_at:
-            params["stop_token_ids"] = list(sampling.stop_token_ids)
-        if sampling.seed is None:
-            sampling_params: Any = params
-        else:
-            sampling_params = [
-                dict(params, sampling_seed=(sampling.seed + k) % 2**63) for k in range(len(requests))
-            ]
+        body, requests, cut_at = generate_body(prompt_token_ids, n, sampling)
         self._abort.clear()
-        payload = self.post(
-            "/generate", {"input_ids": requests, "sampling_params": sampling_params, "return_logprob": True}
-        )
+        payload = self.post("/generate", body)
         if self._abort.is_set():
             raise GenerationAborted(f"generate on {self.url} was aborted")
         samples = parse_generate_response(payload, requests)
         if cut_at:
             samples = [cut_at_stop(s, cut_at) for s in samples]
         return [samples[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
+
+    def stream(self, concurrency: int = 256) -> RolloutStream:
+        """Concurrent per-group /generate calls, at most `concurrency` at once (stream.py)."""
+        if self.asleep:
+            raise EngineStateError(f"SGLang engine {self.url} is asleep: call wake() before stream()")
+        return SGLangStream(self, concurrency)
 
     def abort(self) -> None:
         self._abort.set()
