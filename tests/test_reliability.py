@@ -49,8 +49,10 @@ def run(cmd, env, timeout=600):
 
 
 def error_lines(stderr: str) -> list[str]:
-    """stderr without log records and progress bars: what the user is told."""
+    """stderr without log records (and their indented continuation lines, e.g. the start-up summary) and
+    progress bars: what the user is told."""
     return [ln for ln in stderr.splitlines() if ln.strip() and not ln[:4].isdigit() and not ln.startswith("dapo:")
+            and not ln.startswith("  ")
             and "UserWarning" not in ln and "warnings.warn" not in ln]
 
 
@@ -171,7 +173,9 @@ def test_sigterm_saves_the_step_and_resume_replays_exactly(base_dir, straight, t
     r = subprocess.CompletedProcess(cmd, proc.returncode, "", stderr)
     line = one_line(r, 143, "train: preempted: stopped by SIGTERM after step")
     step = int(line.split("after step ")[1].split(":")[0])
-    assert step in (1, 2), line  # the step in flight was finished, not the whole run
+    # the step in flight was finished and the run stopped there (a step takes a fraction of a second here,
+    # so the signal, sent once step 1 is on disk, may land in any of the 3 steps)
+    assert step in (1, 2, 3), line
     from megatron_dapo.actor.checkpoint import step_dir
     from megatron_dapo.actor.checkpoint_files import verify
 

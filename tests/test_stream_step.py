@@ -5,6 +5,7 @@ with streaming on (monitors, SIGKILL + resume replays exactly)."""
 import hashlib
 import logging
 import math
+import os
 import signal
 import subprocess
 import time
@@ -16,6 +17,7 @@ from test_train import TAGS, base_dir, run_train, scalars, train_cmd  # noqa: F4
 
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats
 from megatron_dapo.config import AlgoConfig, ConfigError, RewardConfig, load_config, validate
+from megatron_dapo.reward.scorer import Scorer
 from megatron_dapo.data.arithmetic import make_arithmetic_prompts
 from megatron_dapo.loop.collect import StepRollout, collect_step, seed_of
 from megatron_dapo.loop.stream import (
@@ -178,8 +180,8 @@ def test_rounds_path_is_bit_for_bit_the_pre_streaming_code():
         prompts = iter(make_arithmetic_prompts(100, seed=0))
         engine = EmbeddedEngine(tiny_model("qwen2", seed=0, vocab_size=len(tok)), fast_path=fast)
         out = collect_step(engine, tok, lambda k: [next(prompts) for _ in range(k)], target_groups=3,
-                           algo=AlgoConfig(group_size=4, max_gen_rounds=3), reward=RewardConfig(overlong_cache_len=4),
-                           max_response_len=12, sampling=lambda r: SamplingParams(
+                           algo=AlgoConfig(group_size=4, max_gen_rounds=3),
+                           scorer=Scorer(RewardConfig(overlong_cache_len=4), max_response_len=12), sampling=lambda r: SamplingParams(
                                max_new_tokens=12, stop_token_ids=(1,), seed=seed_of(1, "train", 0, r)))
         h = hashlib.sha256()
         for g in out.generated:
@@ -216,12 +218,12 @@ def test_streaming_sigkill_and_resume_replays_exactly(base_dir, tmp_path, python
     steps = ["train.steps=3", "checkpoint.save_every=1", "eval.every_steps=0", *STREAM]
     run_train(train_cmd(base_dir, tmp_path, "straight", *steps), python_env)
     proc = subprocess.Popen(train_cmd(base_dir, tmp_path, "killed", *steps), env=python_env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     marker = tmp_path / "ckpt" / "killed" / "step_00000001" / "COMPLETE"
     deadline = time.time() + 300
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole group: the run's helper processes too
     proc.wait(timeout=30)
     assert marker.exists(), "the run never reached its step-1 checkpoint"
     run_train(train_cmd(base_dir, tmp_path, "killed", *steps, "checkpoint.resume=auto"), python_env)

@@ -17,7 +17,12 @@ REWARD_FUNCTION = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
 class ConfigError(ValueError):
-    """A config file or override that cannot be applied; the message names the key."""
+    """A config file or override that cannot be applied; the message names the key. `problems`: each
+    problem found, when validate() found several (the message joins them on one line)."""
+
+    def __init__(self, message: str, problems: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = problems or (message,)
 
 
 @dataclass(kw_only=True)

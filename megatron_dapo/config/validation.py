@@ -15,7 +15,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if world_size is not None:  # the layout: against the world size and the model's config.json
         problems += _layout_problems(cfg, world_size) + model_problems(cfg)
     if problems:
-        raise ConfigError("invalid config: " + "; ".join(problems))
+        raise ConfigError("invalid config: " + "; ".join(problems), tuple(problems))
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:

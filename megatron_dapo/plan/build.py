@@ -71,7 +71,7 @@ def _config_problems(cfg: Config, spec: ModelSpec, hw: Hardware) -> list[str]:
     try:
         validate(cfg, hw.world_size)
     except ConfigError as e:
-        problems += [line.strip().removeprefix("- ") for line in str(e).splitlines()[1:]]
+        problems += list(e.problems)
     tp, pp, ep = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.expert_parallel
     try:
         validate_layout(spec, tp, pp, ep)
