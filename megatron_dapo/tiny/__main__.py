@@ -15,7 +15,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from megatron_dapo.tiny import steps_base
-from megatron_dapo.tiny.base import DEFAULT_OUT, OutputExistsError, Settings, arithmetic_recipe, build_tiny_base
+from megatron_dapo.tiny.base import (
+    DEFAULT_OUT,
+    OutputExistsError,
+    Settings,
+    arithmetic_recipe,
+    build_tiny_base,
+)
 
 EXIT_REFUSED = 2
 
