@@ -14,7 +14,7 @@ import pytest
 from megatron_dapo.config import load_config, to_dict
 from megatron_dapo.study import STUDIES, Contrast, Study, Variant, report, table1_variants
 from megatron_dapo.study.curves import first_reaching
-from megatron_dapo.study.runner import config_path, plan
+from megatron_dapo.study.runner import config_path, inputs_digest, load_done, plan, result_path
 
 REPO = Path(__file__).resolve().parents[1]
 SWITCHES = ("algo.eps_high", "algo.loss_agg_mode", "algo.overlong_filtering", "reward.soft_overlong_punishment",
@@ -76,6 +76,24 @@ def test_plan_gives_every_run_the_budget_and_its_seed():
         cfg = load_config(str(config_path(study)), list(run.overrides))
         assert cfg.train.rollout_budget == study.budget and cfg.train.seed == run.seed
         assert cfg.eval.every_steps == 2  # the command line's overrides come last
+
+
+def test_a_stored_result_of_other_inputs_is_stale(tmp_path):
+    """A result is reused only for the same overrides, config text and base weights."""
+    study = STUDIES["dapo-small"]()
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "model.safetensors").write_bytes(b"weights 1")
+    digest = inputs_digest(study, base)
+    run = plan(study, (), digest)[0]
+    path = result_path(tmp_path, run)
+    path.parent.mkdir()
+    path.write_text(json.dumps({"fingerprint": run.fingerprint, "curves": {}}))
+    assert load_done(tmp_path, run) is not None and inputs_digest(study, base) == digest
+    (base / "model.safetensors").write_bytes(b"weights 2")  # a rebuilt base
+    assert load_done(tmp_path, plan(study, (), inputs_digest(study, base))[0]) is None
+    assert load_done(tmp_path, plan(study, ("eval.every_steps=2",), digest)[0]) is None
+    assert load_done(tmp_path, plan(study, (), digest)[0]) is not None
 
 
 def _result(variant: str, seed: int, acc: list[float], entropy: list[float], samples_per_step: int = 10) -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 from megatron_dapo.config import ConfigError
 from megatron_dapo.study import STUDIES, Study
 from megatron_dapo.study.report import contrasts, plot, table, write_json
-from megatron_dapo.study.runner import check, ensure_base, plan, run_all
+from megatron_dapo.study.runner import check, ensure_base, inputs_digest, plan, run_all
 
 EXIT_USAGE = 2
 
@@ -75,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or f"runs/study_{study.name}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    ensure_base(study, extra, args.base_seconds)
+    base = ensure_base(study, extra, args.base_seconds)
     base_seconds = time.time() - t0
+    runs = plan(study, extra, inputs_digest(study, base))
     print(f"[{study.name}] {len(runs)} runs ({len(study.variants)} variants x {len(study.seeds)} seeds, "
           f"{study.budget} responses each), {args.jobs} at a time; results in {out}", flush=True)
     results = run_all(study, out, runs, jobs=args.jobs)

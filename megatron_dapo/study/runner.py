@@ -30,6 +30,8 @@ class Run:
     overrides: tuple[str, ...]
     """Everything the run's config gets after the study's config file, the variant's switches last but
     for the command line's own overrides."""
+    context: str = ""
+    """What else the run depends on (`inputs_digest`: the config file's text, the base model's weights)."""
 
     @property
     def name(self) -> str:
@@ -38,14 +40,23 @@ class Run:
     @property
     def fingerprint(self) -> str:
         """A hash of what the run computes (not where it writes): a changed setting reruns it."""
-        return hashlib.sha256(json.dumps(self.overrides).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps([self.context, *self.overrides]).encode()).hexdigest()[:16]
 
 
-def plan(study: Study, extra: tuple[str, ...] = ()) -> list[Run]:
+def plan(study: Study, extra: tuple[str, ...] = (), context: str = "") -> list[Run]:
     """Every run of `study`, seed-major (so the first runs already cover every variant)."""
     common = (*study.overrides, f"train.rollout_budget={study.budget}", f"train.steps={study.max_steps}")
-    return [Run(variant=v, seed=s, overrides=(*common, *v.overrides, f"train.seed={s}", *extra))
+    return [Run(variant=v, seed=s, overrides=(*common, *v.overrides, f"train.seed={s}", *extra), context=context)
             for s in study.seeds for v in study.variants]
+
+
+def inputs_digest(study: Study, base: Path) -> str:
+    """A hash of the study's config file and of the base model's weights: a stored result computed from
+    another config text or another base is stale."""
+    digest = hashlib.sha256(config_path(study).read_bytes())
+    for weights in sorted(Path(base).glob("*.safetensors")):
+        digest.update(weights.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def config_path(study: Study) -> Path:
