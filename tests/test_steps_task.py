@@ -129,3 +129,26 @@ def test_steps_recipe_fingerprint_is_its_own():
 
     assert replace(recipe, length_pool=4).fingerprint() != recipe.fingerprint()
     assert "split=train" in recipe.train_spec and "split=val" in recipe.val_spec
+
+
+def test_steps_base_build_is_deterministic_and_cached(tmp_path):
+    """Step-limited builds of a seed are bit-identical; ensure_steps_base reuses a current one."""
+    from dataclasses import replace
+
+    from megatron_dapo.tiny.base import build_tiny_base
+    from megatron_dapo.tiny.steps_base import MAX_NEW_TOKENS, ensure_steps_base
+
+    recipe = steps_recipe()
+    recipe = replace(recipe, val_spec=recipe.val_spec.replace("n=256", "n=4"))
+    weights = {}
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        settings = replace(recipe.settings, max_steps=3, seed=seed)
+        info = build_tiny_base(tmp_path / name, settings, recipe=recipe, progress=False)
+        weights[name] = (tmp_path / name / "model.safetensors").read_bytes()
+    assert weights["a"] == weights["b"] and weights["a"] != weights["c"]
+    assert info["eval"]["max_new_tokens"] == MAX_NEW_TOKENS and info["train_prompts"] == recipe.train_spec
+    assert 0 <= info["sampled_truncated"] <= 1 and 0 < info["sampled_len_mean"] <= MAX_NEW_TOKENS
+    assert info["recipe_fingerprint"] == steps_recipe().fingerprint()
+    stamp = (tmp_path / "a" / "model.safetensors").stat().st_mtime_ns
+    assert ensure_steps_base(tmp_path / "a") == tmp_path / "a"
+    assert (tmp_path / "a" / "model.safetensors").stat().st_mtime_ns == stamp
