@@ -57,6 +57,9 @@ def test_worked_solution_is_what_the_reward_reads():
         assert lines[-1] == f"Answer: {value}"
         assert compute_score(text, p.ground_truth).score == 1.0
     assert worked_solution(parse_chain("7+5*3-9=")) == "7+5=12\n12*3=36\n36-9=27\nAnswer: 27"
+    # by hand: 20-1=19, 19+2=21, 21-4=17, 17*3=51, 51-7=44, 44*2=88 (not 20-1+2-12-14=-5: left to right)
+    chain = parse_chain("20-1+2-4*3-7*2=")
+    assert chain.values() == [19, 21, 17, 51, 44, 88] and chain.answer == 88
 
 
 def test_spec_string_split_and_errors():
@@ -74,6 +77,9 @@ def test_spec_string_split_and_errors():
         load_prompts("builtin:steps?max_steps=many")
     with pytest.raises(ValueError, match="split must be"):
         load_prompts("builtin:steps?split=test")
+    for ops in ("+", "-*", "+/"):  # "-" alone would get stuck at 0, "+" alone at max_value
+        with pytest.raises(ValueError, match="ops must be"):
+            load_prompts(f"builtin:steps?ops={ops}")
     with pytest.raises(ValueError, match="min_steps"):
         make_steps_prompts(3, 0, min_steps=4, max_steps=2)
     with pytest.raises(ValueError, match="could not draw"):
@@ -152,3 +158,12 @@ def test_steps_base_build_is_deterministic_and_cached(tmp_path):
     stamp = (tmp_path / "a" / "model.safetensors").stat().st_mtime_ns
     assert ensure_steps_base(tmp_path / "a") == tmp_path / "a"
     assert (tmp_path / "a" / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_the_study_prompts_are_pinned():
+    """The steps base's fingerprint hashes the spec strings, not the prompts: a change of the generator
+    must show here (and bump steps_base.VERSION), or cached bases would silently be stale."""
+    from megatron_dapo.tiny.steps_base import VAL_SPEC
+
+    val = [p.messages[0]["content"] for p in load_prompts(VAL_SPEC).prompts[:4]]
+    assert val == ["20-1+2-4*3-7*2=", "11+8=", "7*5*2+6-3+5-1=", "5-2-2+1+2*2-7-1="]
