@@ -12,28 +12,38 @@ setup(
     description="DAPO RL trainer: Megatron-core TP/PP actor, SGLang rollouts, fused Triton loss kernels",
     long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    # Every range below is tested: lower bounds are the oldest version the tests passed with here (the
+    # release a fresh `pip install -e ".[dev]"` resolved unless noted), upper bounds stop before the
+    # next release line, which is untested. Python 3.11 is the one tested; the newest transformers,
+    # triton, pyarrow and matplotlib need >= 3.11.
+    python_requires=">=3.11",
     packages=find_packages(include=["megatron_dapo", "megatron_dapo.*"]),
     install_requires=[
-        # Install torch first (`pip install torch==2.13.0` is a local CPU wheel here); any >= 2.6 works.
-        "torch>=2.6",
-        "megatron-core>=0.16",
-        "transformers>=5.0",
-        "safetensors",
-        "tensorboard",
-        "numpy",
-        "pyarrow",
-        "pyyaml",
-        "psutil",  # megatron-core's checkpoint writer needs it; without it a save hangs
-        "tqdm",
-        "matplotlib",
+        # Install torch first: `pip install torch==2.13.0` (a local CPU wheel here) is kept by pip as it
+        # satisfies this range. Tested 2.13.0; megatron-core 0.16 needs >= 2.6.
+        "torch>=2.6,<2.15",
+        # megatron_cpu.py patches 0.16 internals; 0.17+ need Python >= 3.12.
+        "megatron-core>=0.16.1,<0.17",
+        "transformers>=5.17,<6",  # tested 5.17 (oldest here) and 5.24
+        "safetensors>=0.8,<0.9",
+        "tensorboard>=2.21,<3",
+        "numpy>=2.4,<3",
+        "pyarrow>=26,<27",
+        "pyyaml>=6.0,<7",
+        "psutil>=7.2,<8",  # megatron-core's checkpoint writer needs it; without it a save hangs
+        "tqdm>=4.70,<5",
+        "matplotlib>=3.11,<4",
     ],
     extras_require={
-        # triton: the kernel tests run the Triton kernels in its CPU interpreter
-        "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "triton>=3.1"],
-        "triton": ["triton>=3.1"],
+        # triton: the kernel tests run the Triton kernels in its CPU interpreter and compile them for
+        # sm_80/sm_90; they pass with 3.7.1 (what torch 2.13's CUDA wheel pins), 3.8.0 and 3.9.0; 3.6.0's
+        # interpreter fails them (TypeError on numpy 2 arrays).
+        "dev": ["pytest>=9.0,<10", "hypothesis>=6.155,<7", "pytest-timeout>=2.4,<3", "triton>=3.7.1,<3.10"],
+        "triton": ["triton>=3.7.1,<3.10"],
         # CUDA only; they pin their own torch/CUDA stacks. Never install PyPI's `apex` (unrelated).
-        "gpu": ["transformer-engine[pytorch]", "sglang>=0.5"],
+        # sglang: 0.5.23 is what tools/sglang_venv.sh installs and the sglang tier runs; transformer-engine:
+        # the range megatron-core 0.16 is developed against (not installable here: needs CUDA to build).
+        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "sglang>=0.5.23,<0.6"],
     },
     entry_points={"console_scripts": ["megatron-dapo-config=megatron_dapo.config:main"]},
 )

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # CI tier `slurm`: bring a real local Slurm up (tools/slurm_local.sh), run the `slurm`-marked tests,
 # and ALWAYS bring Slurm down again (only the daemons started here, by PID). Exit: pytest's status;
-# "no tests collected" (5) counts as a failure. Extra arguments go to pytest.
+# "no tests collected" (5) counts as a failure. Extra arguments go to pytest. CI_PYTHON: the
+# interpreter to test with (.ci/run passes its fresh venv's; default: `python` on PATH); the job's
+# trainer runs with the same one (the test hands its sys.executable to the launcher as PYTHON).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY=${CI_PYTHON:-python}
+echo "::: slurm tier: python $("$PY" -c 'import sys; print(sys.executable)')"
 
 t_start=$SECONDS
 # shellcheck disable=SC2317  # called by the EXIT trap
@@ -20,7 +24,7 @@ echo "::: slurm tier: up in $((SECONDS - t0)) s"
 
 t0=$SECONDS
 set +e
-DAPO_REQUIRE_SLURM=1 python -m pytest -m slurm -q "$@"  # a Slurm that is not reachable fails, not skips
+DAPO_REQUIRE_SLURM=1 "$PY" -m pytest -m slurm -q "$@"  # a Slurm that is not reachable fails, not skips
 rc=$?
 set -e
 echo "::: slurm tier: tests in $((SECONDS - t0)) s (pytest exit $rc)"

@@ -201,17 +201,26 @@ dapo_inside() {
   dapo_train_cmd
   dapo_log "running:"
   dapo_show "${DAPO_SRUN[@]}" "${DAPO_TRAIN[@]}"
-  # srun in the background so that the USR1 trap (time limit near: requeue) can run meanwhile
-  trap 'dapo_log "time limit near (SIGUSR1): requeueing job $SLURM_JOB_ID; checkpoint.resume=auto continues it";
-        scontrol requeue "$SLURM_JOB_ID"' USR1
+  # srun runs in the background so that the USR1 trap can run meanwhile. SIGUSR1 (`#SBATCH
+  # --signal=B:USR1@T`: the time limit is T seconds away) goes on to the trainer (srun forwards it to
+  # every rank), which finishes its step, saves it and exits; then the job is requeued, and
+  # checkpoint.resume=auto continues it from that checkpoint.
+  local pid="" preempted=0
+  trap 'preempted=1; dapo_log "SIGUSR1 (time limit near): the trainer saves its step and stops";
+        [ -n "$pid" ] && kill -USR1 "$pid" 2>/dev/null' USR1
   "${DAPO_SRUN[@]}" "${DAPO_TRAIN[@]}" &
-  local pid=$!
+  pid=$!
   while :; do
     rc=0
     wait "$pid" || rc=$?
     kill -0 "$pid" 2>/dev/null || break  # wait was interrupted by a trap: keep waiting
   done
+  trap - USR1
   dapo_log "trainer exited with status $rc"
+  if [ "$preempted" = 1 ]; then
+    dapo_log "requeueing job $SLURM_JOB_ID: checkpoint.resume=auto continues it"
+    scontrol requeue "$SLURM_JOB_ID" || dapo_log "scontrol requeue failed: resubmit the job to continue"
+  fi
   return "$rc"
 }
 

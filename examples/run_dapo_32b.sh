@@ -14,7 +14,8 @@
 # rank 0 drives them all; they share the GPUs and sleep while the actor trains), so this script
 # starts no server. checkpoint.resume=auto + --requeue: a requeued job (node
 # failure, preemption, or the USR1 sent 10 min before the time limit) continues from the last
-# checkpoint. Dotted overrides on the command line come last and win.
+# checkpoint. On SIGTERM (preemption) or that USR1 the trainer finishes its step, saves it and exits
+# (then the launcher requeues the job): keep the USR1 lead time above one step plus one save. Dotted overrides on the command line come last and win.
 #
 # Environment (all optional): NODES GPUS_PER_NODE CPUS_PER_TASK WALLTIME JOB_NAME LOG_DIR OUTPUT
 # PARTITION ACCOUNT SBATCH_ARGS ("--qos=high ..."); HF_DIR MEGATRON_CKPT RUN_NAME CKPT_DIR TB_DIR

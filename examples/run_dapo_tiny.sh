@@ -16,6 +16,8 @@
 # MASTER_ADDR / MASTER_PORT set. Flags (Slurm only): --nodes --tasks-per-node --time --job-name
 # --output --partition --account --dry-run; env: TASKS_PER_NODE, LOG_DIR, OUTPUT, PARTITION, ...
 # (see examples/launch_common.sh). DRY_RUN=1 prints the commands and runs the trainer's --dry-run.
+# Preemption: Slurm's SIGTERM, or the SIGUSR1 sent 120 s before the time limit, makes the trainer finish
+# its step, save it and exit; the job is requeued and resumes from that checkpoint.
 #SBATCH --job-name=dapo-tiny
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=2
@@ -24,6 +26,7 @@
 #SBATCH --output=logs/%x-%j.out
 #SBATCH --open-mode=append
 #SBATCH --requeue
+#SBATCH --signal=B:USR1@120
 set -euo pipefail
 
 _here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

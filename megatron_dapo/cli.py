@@ -38,15 +38,23 @@ def run_cli(prog: str, main: Callable[[list[str] | None], int], argv: list[str] 
     try:
         return main(argv)
     except (UserError, *user_errors) as e:
-        same = getattr(e, "same_on_all_ranks", False)
-        rank, world = _env_int("RANK", "SLURM_PROCID", 0), _env_int("WORLD_SIZE", "SLURM_NTASKS", 1)
-        if rank == 0 or not same:
-            prefix = f"[rank {rank}] " if world > 1 and not same else ""
-            print(f"{prog}: error: {prefix}{e}", file=sys.stderr, flush=True)
+        print_error(prog, e)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def print_error(prog: str, e: BaseException | str, *, kind: str = "error", same_on_all_ranks: bool = False) -> None:
+    """`prog: kind: message` on stderr, as ONE line (later lines of a message are joined). An error every
+    rank hits alike (`preflight_error`, or `same_on_all_ranks`) is printed by rank 0 only; others by
+    each rank that hits it, prefixed with its rank."""
+    same = same_on_all_ranks or getattr(e, "same_on_all_ranks", False)
+    rank, world = _env_int("RANK", "SLURM_PROCID", 0), _env_int("WORLD_SIZE", "SLURM_NTASKS", 1)
+    if rank == 0 or not same:
+        prefix = f"[rank {rank}] " if world > 1 and not same else ""
+        text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"{prog}: {kind}: {prefix}{text}", file=sys.stderr, flush=True)
 
 
 def _env_int(name: str, fallback: str, default: int) -> int:

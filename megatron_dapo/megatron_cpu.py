@@ -8,6 +8,7 @@ megatron-core call that needs it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -107,6 +108,41 @@ def _patch_torch_cuda() -> None:
     torch.cuda.empty_cache = lambda: None
     torch.cuda.memory_allocated = lambda *a, **k: 0
     torch.cuda.max_memory_allocated = lambda *a, **k: 0
+    # Streams/events: the MoE all-to-all token dispatcher copies its split sizes to the host on a
+    # side stream and waits on an event. On the CPU everything runs in order: no-op streams.
+    torch.cuda.Stream = _HostStream
+    torch.cuda.current_stream = lambda *a, **k: _HOST_STREAM
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+
+class _HostEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *a, **k) -> None:
+        pass
+
+
+class _HostStream:
+    """A stand-in for torch.cuda.Stream where work is synchronous."""
+
+    def __init__(self, *a, **k) -> None:
+        pass
+
+    def wait_stream(self, *a, **k) -> None:
+        pass
+
+    def wait_event(self, *a, **k) -> None:
+        pass
+
+    def record_event(self, *a, **k) -> _HostEvent:
+        return _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
 
 
 def _patch_megatron() -> None:
@@ -116,3 +152,35 @@ def _patch_megatron() -> None:
     # (no forking, dropout must be 0) and make the raw state helpers harmless.
     mp_random._set_cuda_rng_state = lambda *a, **k: None
     mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    _patch_moe_split_sizes()
+
+
+def _patch_moe_split_sizes() -> None:
+    """The MoE all-to-all dispatcher turns its split sizes into host numpy arrays only when they live on
+    the GPU, and torch.distributed's all_to_all_single refuses CPU tensors as split sizes."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    to_host = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_host_numpy(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host_numpy
+    _patch_all_to_all()
+
+
+def _patch_all_to_all() -> None:
+    """The all-to-all's output is allocated on `torch.cuda.current_device()`. A mode is switched off while
+    its handler runs, and the backward pass runs inside the handler of `backward`: the backward of the
+    MoE all-to-all (another all-to-all) would allocate on CUDA. Run its forward inside the mode always."""
+    from megatron.core.tensor_parallel import mappings
+
+    forward = mappings._AllToAll.forward
+
+    def forward_on_host(ctx, *args):
+        with _MODE:
+            return forward(ctx, *args)
+
+    mappings._AllToAll.forward = staticmethod(forward_on_host)

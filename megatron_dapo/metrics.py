@@ -4,6 +4,7 @@ and the progress bar."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import time
@@ -24,7 +25,11 @@ PLOTTED = SUMMARY_CURVES + ("rollout/kept_group_frac",)
 
 @dataclass
 class Alarms:
-    """Entropy collapse and length blow-up, each raised as a warning and an `alarm/*` scalar."""
+    """Entropy collapse, length blow-up, non-finite loss and a step without one correct answer, each
+    raised as a warning and an `alarm/*` scalar.
+
+    no_correct_answers: accuracy 0 in every group of the step. With the soft overlong penalty such
+    groups still differ in reward, so DAPO would then train on response length alone."""
 
     cfg: LoggingConfig
     max_response_len: int
@@ -41,10 +46,13 @@ class Alarms:
         if length is not None:
             out["alarm/length_blowup"] = float(length > self.cfg.length_blowup_frac * self.max_response_len)
         out["alarm/nonfinite_loss"] = float(scalars.get("actor/nonfinite", 0.0) > 0)
+        acc = scalars.get("train/acc_mean")
+        if acc is not None:
+            out["alarm/no_correct_answers"] = float(acc == 0.0)
         for name, on in out.items():
             if on and name not in self.raised:
                 log.warning("ALARM %s: %s", name, {k: v for k, v in scalars.items() if k.split("/")[0] in
-                                                    ("actor", "response_length")})
+                                                    ("actor", "response_length", "train")})
             (self.raised.add if on else self.raised.discard)(name)
         return out
 
@@ -64,6 +72,7 @@ class MetricsWriter:
         self.history: dict[str, dict[int, float]] = defaultdict(dict)
         """tag -> step -> value (a replayed step overwrites)."""
         self._writer = None
+        self._sample_steps: set[int] = set()
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -78,6 +87,25 @@ class MetricsWriter:
             self._writer.add_scalar(tag, value, step)
             self.history[tag][step] = value
         self._writer.flush()
+
+    def write_samples(self, step: int, split: str, records: list[dict[str, Any]], text_count: int = 4) -> Path | None:
+        """Records as JSON lines in samples/step_<step>.jsonl (a step's first write in this process
+        replaces the file, a later one appends), the first `text_count` as TensorBoard text."""
+        if not self.enabled or not records:
+            return None
+        folder = self.logdir / "samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"step_{step}.jsonl"
+        with path.open("a" if step in self._sample_steps else "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        self._sample_steps.add(step)
+        text = "\n\n---\n\n".join(
+            f"**prompt** ({r['uid']}, truth {r['ground_truth']}):\n```\n{r['prompt']}\n```\n"
+            f"**response** (reward {r['reward']:.3f}, acc {int(r['acc'])}, {r['length']} tokens):\n"
+            f"```\n{r['response']}\n```" for r in records[:text_count])
+        self._writer.add_text(f"samples/{split}", text, step)
+        self._writer.flush()
+        return path
 
     def load_history(self, until_step: int) -> None:
         """After a resume: take the plotted curves up to `until_step` from the run's earlier event files,

@@ -71,7 +71,7 @@ def backend_for(cfg: ParallelConfig) -> str:
 
 
 def initialize(cfg: ParallelConfig, *, seed: int, timeout_s: float = 600.0) -> LaunchEnv:
-    """Start torch.distributed (if needed) and Megatron's TP/PP/DP groups; seed every RNG."""
+    """Start torch.distributed (if needed) and Megatron's TP/PP/DP (and expert-parallel) groups; seed every RNG."""
     env = launch_env()
     megatron_cpu.enable()
     if torch.cuda.is_available():
@@ -79,17 +79,48 @@ def initialize(cfg: ParallelConfig, *, seed: int, timeout_s: float = 600.0) -> L
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
-        dist.init_process_group(backend_for(cfg), rank=env.rank, world_size=env.world_size,
+        store = None
+        if single_node(env):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets stay local as well
+            store = loopback_store(env, timedelta(seconds=timeout_s))
+        dist.init_process_group(backend_for(cfg), rank=env.rank, world_size=env.world_size, store=store,
                                 timeout=timedelta(seconds=timeout_s))
-    tp, pp = cfg.tensor_parallel, cfg.pipeline_parallel
+    tp, pp, ep = cfg.tensor_parallel, cfg.pipeline_parallel, cfg.expert_parallel
     if env.world_size % (tp * pp):
         raise ValueError(f"TP({tp}) x PP({pp}) does not divide world size {env.world_size}")
+    if (env.world_size // (tp * pp)) % ep:
+        raise ValueError(f"EP({ep}) does not divide the data-parallel size {env.world_size // (tp * pp)}")
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        # expert TP = TP (Megatron's default): each expert is split like a dense MLP, EP spreads experts over DP
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep)
     seed_all(seed)
     return env
+
+
+def single_node(env: LaunchEnv, environ: dict[str, str] | None = None) -> bool:
+    """Every rank on this machine (one process; srun on one node; MASTER_ADDR on loopback), and no
+    torchrun agent that owns the store already."""
+    e = os.environ if environ is None else environ
+    if e.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return False
+    nodes = e.get("SLURM_JOB_NUM_NODES") or e.get("SLURM_NNODES")
+    return env.world_size == 1 or nodes == "1" or env.master_addr in ("127.0.0.1", "localhost", "::1")
+
+
+def loopback_store(env: LaunchEnv, timeout: timedelta) -> dist.TCPStore:
+    """The rendezvous store of a single-node job, listening on 127.0.0.1 only (torch's own binds every
+    interface, whatever MASTER_ADDR says)."""
+    if env.rank != 0:
+        return dist.TCPStore("127.0.0.1", env.master_port, env.world_size, False, timeout=timeout)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", env.master_port))
+    sock.listen()
+    return dist.TCPStore("127.0.0.1", env.master_port, env.world_size, True, timeout=timeout,
+                         master_listen_fd=sock.detach())
 
 
 def seed_all(seed: int) -> None:
@@ -146,6 +177,32 @@ def pp_group():
     return _ps().get_pipeline_model_parallel_group()
 
 
+def ep_rank() -> int:
+    """This rank's place among the expert-parallel ranks (which experts it holds)."""
+    return _ps().get_expert_model_parallel_rank()
+
+
+def ep_size() -> int:
+    return _ps().get_expert_model_parallel_world_size()
+
+
+def ep_group():
+    return _ps().get_expert_model_parallel_group()
+
+
+def expert_tp_rank() -> int:
+    return _ps().get_expert_tensor_parallel_rank()
+
+
+def expert_tp_size() -> int:
+    return _ps().get_expert_tensor_parallel_world_size()
+
+
+def expert_tp_group():
+    """The ranks that hold pieces of the same expert (Megatron's expert tensor parallel)."""
+    return _ps().get_expert_tensor_parallel_group()
+
+
 def dp_rank() -> int:
     return _ps().get_data_parallel_rank()
 
@@ -156,6 +213,11 @@ def dp_size() -> int:
 
 def dp_group():
     return _ps().get_data_parallel_group()
+
+
+def mp_group():
+    """The tensor x pipeline ranks of this data-parallel replica (they train on the same rows)."""
+    return _ps().get_model_parallel_group()
 
 
 def dp_sum(t: torch.Tensor) -> torch.Tensor:

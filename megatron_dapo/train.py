@@ -11,62 +11,91 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from pathlib import Path
 
 from megatron_dapo import parallel
-from megatron_dapo.cli import quiet_third_party
+from megatron_dapo.actor.actor import NonFiniteWeightsError
+from megatron_dapo.actor.checkpoint import CheckpointError, latest_checkpoint, step_dir
+from megatron_dapo.cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError, print_error, quiet_third_party
 from megatron_dapo.config import Config, ConfigError, build_parser, load_config, to_yaml, validate
 from megatron_dapo.loop import distribute, scalars
 from megatron_dapo.loop.collect import StepRollout, collect_step, evaluate, step_sampling
 from megatron_dapo.loop.old_policy import apply_rollout_correction, old_logprobs
-from megatron_dapo.loop.state import RunState, SetupError, build_run
+from megatron_dapo.loop.preempt import Preempted, StopSignals
+from megatron_dapo.loop.state import RunState, build_run
+from megatron_dapo.loop.stream import collect_stream, group_sampling, rollout_cost_scalars
 from megatron_dapo.metrics import progress
 
 log = logging.getLogger(__name__)
 
 
 def train(cfg: Config) -> dict[str, float]:
-    """Run the configured steps (resuming if asked); returns the last step's scalars."""
-    run = build_run(cfg)
-    out: dict[str, float] = {}
+    """Run the configured steps (resuming if asked); returns the last step's scalars. On SIGTERM / SIGUSR1
+    the step in flight is finished and saved, then Preempted is raised."""
+    stop = StopSignals().install()
+    try:
+        run = build_run(cfg)
+        try:
+            out = _steps(run, stop)
+            run.finish()
+        except BaseException:
+            run.close()
+            raise
+    finally:
+        stop.restore()
+    return out
+
+
+def _steps(run: RunState, stop: StopSignals) -> dict[str, float]:
+    cfg, out = run.cfg, {}
+    if signum := stop.requested():  # while starting: nothing new to save
+        last = run.last_saved
+        raise Preempted(signum, run.start_step, None if last is None else str(step_dir(run.ckpt_root, last)))
     if run.start_step == 0 and run.wants_eval(0):
-        write(run, 0, validate_policy(run))
+        write(run, 0, validate_policy(run, 0))
     bar = progress(range(run.start_step + 1, cfg.train.steps + 1), enabled=run.is_driver)
     for step in bar:
         out = dapo_step(run, step)
         last = run.budget_spent()
         if run.wants_eval(step) or (last and run.val_prompts):
-            out.update(validate_policy(run))
+            out.update(validate_policy(run, step))
         write(run, step, out, bar)
-        if run.wants_checkpoint(step) or last:
+        signum = stop.requested()
+        if run.wants_checkpoint(step) or last or signum:
             run.save(step)
+        if signum:
+            raise Preempted(signum, step, str(step_dir(run.ckpt_root, step)))
         if last:
             log.info("rollout budget of %d responses spent after step %d", cfg.train.rollout_budget, step)
             break
     if hasattr(bar, "close"):
         bar.close()
-    run.finish()
     return out
 
 
 def dapo_step(run: RunState, step: int) -> dict[str, float]:
     """One DAPO step: rollout -> rewards -> dynamic sampling -> advantages -> pi_old -> updates -> sync."""
     cfg, timer, t_step = run.cfg, run.timer, time.perf_counter()
-    with timer("rollout"):  # (generation and reward scoring happen round by round)
-        rollout: StepRollout | None = None
-        if run.is_driver:
-            rollout = collect_step(run.engine, run.tokenizer, run.next_prompts, target_groups=cfg.train.prompt_batch_size,
-                                   algo=cfg.algo, reward=cfg.reward, max_response_len=cfg.rollout.max_response_len,
-                                   sampling=lambda r: step_sampling(cfg, step, r, run.eos_ids))
-        rollout = distribute.share(rollout)
-    timer.move("rollout", "reward", rollout.reward_seconds)
-    run.samples_generated += sum(len(g.samples) for g in rollout.generated)
-    groups = distribute.trainable(rollout.groups, run.num_mini_batches)
-    out = scalars.rollout_scalars(rollout, samples_total=run.samples_generated, groups_trained=len(groups))
-    if not groups:
+    run.phases.generate()
+    with timer("rollout"):  # (generation and reward scoring happen round by round, or group by group)
+        rollout = collect(run, step) if run.is_driver else None
+        rows = distribute.step_rows(rollout, num_mini_batches=run.num_mini_batches,
+                                    overlong_filtering=cfg.algo.overlong_filtering, pad_id=run.tokenizer.pad_token_id or 0)
+    timer.move("rollout", "reward", rollout.reward_seconds if rollout is not None else 0.0)
+    run.samples_generated += rows.samples_generated
+    out = {"rollout/samples_total": float(run.samples_generated), "rollout/groups_trained": float(rows.groups_trained)}
+    if rollout is not None:  # the driver has every sample: the all-sample monitors are computed there
+        run.write_samples(step, "train", rollout.generated)
+        out.update(scalars.rollout_scalars(rollout, samples_total=run.samples_generated,
+                                           groups_trained=rows.groups_trained))
+        out.update(rollout.monitors())
+        out.update(rollout_cost_scalars(rollout, cfg.algo))
+    out.update({"perf/rollout_bytes_total": float(rows.bytes_total),
+                "perf/rollout_bytes_max_recv": float(distribute.max_received(rows))})
+    batch = rows.batch
+    if batch is None:
         log.warning("step %d: no informative group to train on; skipping the update", step)
         return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, 0, None)}
-    batch = distribute.local_batch(groups, overlong_filtering=cfg.algo.overlong_filtering,
-                                   pad_id=run.tokenizer.pad_token_id or 0)
     run.phases.train()
     with timer("old_logprob"):
         batch.old_logprobs, entropy = old_logprobs(run.actor, batch, cfg.algo)
@@ -76,15 +105,31 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     with timer("weight_sync"):
         sync = run.phases.sync()
     out.update(scalars.update_scalars(update, parallel.dp_sum(scalars.token_sums(batch, entropy))))
+    out.update(run.phases.ledger)
     tokens = int(batch.lengths.sum())
     return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, tokens, sync.bytes)}
 
 
-def validate_policy(run: RunState) -> dict[str, float]:
-    """avg@k on the validation prompts (driver only; other ranks return nothing)."""
+def collect(run: RunState, step: int) -> StepRollout:
+    """The step's groups (driver only): streamed (`rollout.streaming`) or in synchronous rounds."""
+    cfg = run.cfg
+    common = dict(target_groups=cfg.train.prompt_batch_size, algo=cfg.algo, scorer=run.scorer)
+    if cfg.rollout.streaming:
+        return collect_stream(run.engine, run.tokenizer, run.next_prompts, **common,
+                              sampling=lambda g: group_sampling(cfg, step, g, run.eos_ids),
+                              max_inflight_groups=cfg.rollout.max_inflight_groups)
+    return collect_step(run.engine, run.tokenizer, run.next_prompts, **common,
+                        sampling=lambda r: step_sampling(cfg, step, r, run.eos_ids))
+
+
+def validate_policy(run: RunState, step: int) -> dict[str, float]:
+    """avg@k, pass@k, maj@k on the validation prompts (driver only; other ranks return nothing)."""
+    run.phases.generate()
     if not run.is_driver:
         return {}
-    return evaluate(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids)
+    result = evaluate(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids, run.scorer)
+    run.write_samples(step, "val", result.groups)
+    return {**result.val_scalars(), "timing/eval_s": result.seconds}
 
 
 def write(run: RunState, step: int, values: dict[str, float], bar=None) -> None:
@@ -99,7 +144,7 @@ def write(run: RunState, step: int, values: dict[str, float], bar=None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser("Train a policy with DAPO.")
     parser.add_argument("--dry-run", action="store_true", help="resolve and check the config, then exit")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before or after flags
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_third_party()
     try:
@@ -112,14 +157,32 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg), end="")
     if args.dry_run:
         return 0
+    return run_training(cfg)
+
+
+def run_training(cfg: Config) -> int:
+    """train(cfg), every way it can end turned into one line on stderr and an exit code: 0 done;
+    2 bad input (model, data, run folder); 1 the run failed (non-finite weights, a bad checkpoint);
+    128 + signal after a preemption checkpoint; 130 on Ctrl-C (the last complete checkpoint intact)."""
     try:
         train(cfg)
-    except SetupError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 0
+    except UserError as e:
+        print_error("train", e)
+        return EXIT_USER_ERROR
+    except (NonFiniteWeightsError, CheckpointError) as e:
+        print_error("train", e)
+        return 1
+    except Preempted as e:
+        print_error("train", e, kind="preempted", same_on_all_ranks=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        last = latest_checkpoint(Path(cfg.checkpoint.dir) / cfg.logging.run_name)
+        print_error("train", f"last complete checkpoint: {last or 'none'}", kind="interrupted (Ctrl-C)",
+                    same_on_all_ranks=True)
+        return EXIT_INTERRUPTED
     finally:
         parallel.destroy()
-    return 0
 
 
 if __name__ == "__main__":

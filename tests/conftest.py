@@ -54,3 +54,87 @@ def tiny_hf(tmp_path_factory):
 
 # SGLang fixtures (fake server executable, the real server's venv, tiny checkpoints) for every module.
 from sglang_support import fake_exe, fake_python, hf, models, sglang_python  # noqa: E402, F401
+
+
+# ---- No test leaves a process behind ------------------------------------------------------------
+# Every process the suite starts inherits _SESSION_MARK (= pytest's pid) through its environment, so
+# it is found at the end even when its parent died and it was re-parented to init. A process still
+# alive when the session's fixtures are all torn down is a leak: the run fails, listing and killing it.
+import psutil  # noqa: E402
+
+_SESSION_MARK = "MEGATRON_DAPO_TEST_SESSION"
+os.environ[_SESSION_MARK] = str(os.getpid())
+# Helpers a process starts once for itself and that exit with it: allowed while pytest is their parent.
+_EXITS_WITH_PARENT = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "torch_shm_manager")
+_first_seen: dict[int, tuple[psutil.Process, str]] = {}  # pid -> (process, the test it appeared in)
+_checked_pids: set[int] = set()
+
+
+def _marked(proc: psutil.Process) -> bool:
+    try:
+        return proc.environ().get(_SESSION_MARK) == str(os.getpid()) and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, OSError):
+        return False
+
+
+def _note_new_processes(nodeid: str) -> None:
+    """Remember which test each of the suite's processes first appeared in (read once per new pid)."""
+    for pid in set(psutil.pids()) - _checked_pids:
+        _checked_pids.add(pid)
+        try:
+            proc = psutil.Process(pid)
+        except psutil.Error:
+            continue
+        if pid != os.getpid() and _marked(proc):
+            _first_seen[pid] = (proc, nodeid)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _note_new_processes(nodeid)
+
+
+def _leftover_processes() -> list[psutil.Process]:
+    me = os.getpid()
+    found = {p.pid: p for p in psutil.Process(me).children(recursive=True)}
+    found.update((p.pid, p) for p in psutil.process_iter() if p.pid != me and _marked(p))
+    alive = []
+    for proc in found.values():
+        try:
+            if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(proc.cmdline())
+            if proc.ppid() == me and any(name in cmd for name in _EXITS_WITH_PARENT):
+                continue
+            alive.append(proc)
+        except psutil.Error:
+            continue
+    return alive
+
+
+def _describe(proc: psutil.Process) -> str:
+    seen = _first_seen.get(proc.pid)
+    where = f"first seen after {seen[1]}" if seen and seen[0] == proc else "started in an unknown test"
+    try:
+        return f"pid {proc.pid} (parent {proc.ppid()}, {where}): {' '.join(proc.cmdline())[:300]}"
+    except psutil.Error:
+        return f"pid {proc.pid} ({where})"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_processes():
+    """Set up first, torn down last: after every other fixture of the session has cleaned up."""
+    yield
+    leftovers = _leftover_processes()
+    _, still_alive = psutil.wait_procs(leftovers, timeout=10)  # grace: some are on their way out
+    if not still_alive:
+        return
+    report = "\n".join(_describe(p) for p in still_alive)
+    for proc in still_alive:
+        try:
+            for p in [*proc.children(recursive=True), proc]:
+                p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(still_alive, timeout=10)
+    pytest.fail(f"after all tests (not this one alone), {len(still_alive)} process(es) of the session "
+                f"were still running (now killed):\n{report}")

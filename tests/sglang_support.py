@@ -49,6 +49,7 @@ def server_ports(n: int = 1) -> int:
 FAKE_SERVER = textwrap.dedent("""
     import argparse, http.server, os, sys, time
     ap = argparse.ArgumentParser(); ap.add_argument("--port", type=int); ap.add_argument("--host")
+    ap.add_argument("--api-key")
     args, _ = ap.parse_known_args()
     mode = os.environ["FAKE_SGLANG_MODE"]
     print("fake sglang starting", mode, flush=True)
@@ -62,9 +63,20 @@ FAKE_SERVER = textwrap.dedent("""
               "address already in use", flush=True)
         time.sleep(3600)
     class H(http.server.BaseHTTPRequestHandler):
+        def refused(self):  # like SGLang's --api-key: every path but /health* needs the bearer token
+            if not args.api_key or self.path.startswith("/health"):
+                return False
+            if self.headers.get("Authorization") == f"Bearer {args.api_key}":
+                return False
+            self.send_response(401); self.end_headers()
+            return True
         def do_GET(self):
+            if self.refused():
+                return
             self.send_response(200); self.end_headers()
         def do_POST(self):
+            if self.refused():
+                return
             if self.path == "/init_weights_update_group":  # refuses to join: we must not wait for it
                 body = b'{"success": false, "message": "Failed to initialize custom process group: boom."}'
                 self.send_response(400)

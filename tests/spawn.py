@@ -16,4 +16,5 @@ def run_ranks(fn, *args, nprocs: int = 2, timeout_s: float = 120.0) -> None:
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
+                p.join(timeout=30)  # reaped: nothing of the test outlives it
             pytest.fail(f"{nprocs}-process gloo test timed out after {timeout_s:.0f} s")

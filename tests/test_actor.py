@@ -1,5 +1,6 @@
-"""The Megatron actor on CPU: parity with transformers and across TP / PP / DP layouts, the token-level
-update, checkpoints. Multi-rank cases run tests/workers/actor_worker.py under torchrun (gloo)."""
+"""The Megatron actor on CPU: parity with transformers and across TP / PP / DP layouts (gradient clipping
+on, tied and untied embeddings, several updates), the token-level update, checkpoints. Multi-rank cases
+run tests/workers/actor_worker.py under torchrun (gloo)."""
 
 import os
 import subprocess
@@ -8,78 +9,88 @@ from pathlib import Path
 
 import pytest
 import torch
+from workers.actor_worker import GRAD_CLIP, LR, UPDATES, VOCAB, fixed_batch, old_logprob_offset
+
+from megatron_dapo.parallel import free_port
+from megatron_dapo.tiny import save_tiny_model
 
 WORKER = Path(__file__).parent / "workers" / "actor_worker.py"
-sys.path.insert(0, str(WORKER.parent))
-from actor_worker import VOCAB, fixed_batch  # noqa: E402
+
+GQA = {"num_attention_heads": 4, "num_key_value_heads": 2}
+H6 = {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 48, "intermediate_size": 96}
+MODELS = {"untied": {**GQA, "tied": False}, "tied": {**GQA, "tied": True},
+          "h6": {**H6, "tied": False}, "h6_tied": {**H6, "tied": True}}
+"""4 heads / 2 KV groups for TP2, 6 / 3 for TP3 (vocab 200 pads to 384 at TP3: rank 2 holds padding only)."""
+LAYOUTS = {  # name: (tp, pp, nproc, models, extra env)
+    "tp1": (1, 1, 1, list(MODELS), {}),
+    "tp2": (2, 1, 2, ["untied", "tied"], {}),
+    "tp3": (3, 1, 3, ["h6", "h6_tied"], {}),
+    "pp2": (1, 2, 2, ["untied", "tied"], {}),
+    "dp2": (1, 1, 2, ["untied", "tied"], {}),
+    "dp2_distopt": (1, 1, 2, ["untied", "tied"], {"DAPO_TEST_DISTOPT": "1"}),
+}
+CKPT_LAYOUTS = ("tp1", "tp2")
 
 
-def run_layout(case, hf_dir, out_dir, tp=1, pp=1, nproc=1, ckpt=None, env=None, timeout=240):
+def run_layout(case, hf_dirs, out_dir, tp=1, pp=1, nproc=1, ckpt=None, env=None, timeout=400):
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(_free_port()), str(WORKER), case, str(hf_dir), str(out_dir), str(tp), str(pp)]
+           "--master_port", str(free_port()), str(WORKER), case, ",".join(map(str, hf_dirs)), str(out_dir),
+           str(tp), str(pp)]
     if ckpt is not None:
         cmd.append(str(ckpt))
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return [torch.load(out_dir / f"rank_{i}.pt", weights_only=False) for i in range(nproc)]
+    return [torch.load(out_dir / f"rank_{i}.pt", weights_only=False)["models"] for i in range(nproc)]
 
 
-def _free_port():
-    from megatron_dapo.parallel import free_port
-
-    return free_port()
-
-
-def merged(results, key):
+def merged(results, model, key):
     """Union of per-rank dicts of HF-named tensors (PP stages hold different layers)."""
     out = {}
     for r in results:
-        out.update(r[key])
+        out.update(r[model][key])
     return out
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=False)
-    d = tmp_path_factory.mktemp("hf")
-    Qwen2ForCausalLM(cfg).save_pretrained(d)
-    return d
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    small = {"vocab_size": VOCAB, "max_position_embeddings": 128}
+    return {name: save_tiny_model(root / name, "qwen2", seed=0, **small, **kw) for name, kw in MODELS.items()}
 
 
 @pytest.fixture(scope="module")
-def reference(hf_dir):
+def hf_dir(hf_dirs):
+    return hf_dirs["untied"]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_dirs):
     """Teacher-forced logprobs and entropy from transformers + plain torch (the independent oracle)."""
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = Qwen2ForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
     b = fixed_batch()
-    with torch.no_grad():
-        logits = model(b.input_ids).logits[:, :-1].double()
-    logp = torch.log_softmax(logits, -1)
-    lp = logp.gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
     valid = torch.arange(b.input_ids.shape[1])[None, 1:] < b.lengths[:, None]
-    return {"logprobs": lp, "entropy": ent, "valid": valid}
+    out = {}
+    for name, d in hf_dirs.items():
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = model(b.input_ids).logits[:, :-1].double()
+        logp = torch.log_softmax(logits, -1)
+        lp = logp.gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)
+        out[name] = {"logprobs": lp, "entropy": -(logp.exp() * logp).sum(-1), "valid": valid}
+    return out
 
 
 @pytest.fixture(scope="module")
-def layouts(hf_dir, tmp_path_factory, python_env_module):
+def layouts(hf_dirs, tmp_path_factory, python_env_module):
     root = tmp_path_factory.mktemp("layouts")
-    return {
-        "tp1": run_layout("train", hf_dir, root / "tp1", ckpt=root / "ckpt_tp1", env=python_env_module),
-        "tp2": run_layout("train", hf_dir, root / "tp2", tp=2, nproc=2, ckpt=root / "ckpt_tp2", env=python_env_module),
-        "pp2": run_layout("train", hf_dir, root / "pp2", pp=2, nproc=2, env=python_env_module),
-        "dp2": run_layout("train", hf_dir, root / "dp2", nproc=2, env=python_env_module),
-        "dp2_distopt": run_layout("train", hf_dir, root / "dp2_distopt", nproc=2,
-                                  env={**python_env_module, "DAPO_TEST_DISTOPT": "1"}),
-        "root": root,
-    }
+    runs = {"root": root}
+    for name, (tp, pp, nproc, models, extra) in LAYOUTS.items():
+        ckpt = root / f"ckpt_{name}" if name in CKPT_LAYOUTS else None
+        runs[name] = run_layout("train", [hf_dirs[m] for m in models], root / name, tp=tp, pp=pp, nproc=nproc,
+                                ckpt=ckpt, env={**python_env_module, **extra})
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -94,80 +105,109 @@ def _shifted(t):
     return t[:, 1:]
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2", "dp2"])
-def test_logprobs_and_entropy_match_transformers(layouts, reference, layout):
-    valid = reference["valid"]
+def _cases(names):
+    return [(layout, model) for layout in names for model in LAYOUTS[layout][3]]
+
+
+@pytest.mark.parametrize(("layout", "model"), _cases(["tp1", "tp2", "tp3", "pp2", "dp2"]))
+def test_logprobs_and_entropy_match_transformers(layouts, reference, layout, model):
+    ref = reference[model]
+    valid = ref["valid"]
     for r in layouts[layout]:
-        lp, ent = _shifted(r["logprobs"]).double(), _shifted(r["entropy"]).double()
-        assert (lp[valid] - reference["logprobs"][valid]).abs().max() < 1e-5
-        assert (ent[valid] - reference["entropy"][valid]).abs().max() < 1e-5
+        lp, ent = _shifted(r[model]["logprobs"]).double(), _shifted(r[model]["entropy"]).double()
+        assert (lp[valid] - ref["logprobs"][valid]).abs().max() < 1e-5
+        assert (ent[valid] - ref["entropy"][valid]).abs().max() < 1e-5
         assert (lp[valid] <= 0).all()
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "dp2_distopt"])
-def test_update_is_layout_invariant(layouts, layout):
-    """Same loss, same gradient, same parameters after the update as TP1/PP1/DP1 on the whole batch.
+def test_clipping_acts_in_the_reference_run(layouts):
+    """Every update of the TP1 run clips (coefficient GRAD_CLIP / (norm + 1e-6) < 1, Megatron's formula),
+    so a layout that computes the norm differently would end with different parameters."""
+    for model, res in layouts["tp1"][0].items():
+        norms = [m["grad_norm"] for m in res["history"]]
+        assert len(norms) == UPDATES and all(m["update_ok"] == 1.0 for m in res["history"]), model
+        assert all(GRAD_CLIP / (n + 1e-6) < 0.9 for n in norms), (model, norms)
+
+
+@pytest.mark.parametrize(("layout", "model"), _cases(["tp2", "tp3", "pp2", "dp2", "dp2_distopt"]))
+def test_update_is_layout_invariant(layouts, layout, model):
+    """Same loss, grad norm, (clipped) gradient and parameters after every update as TP1/PP1/DP1.
 
     dp2: each rank holds half the rows (packed into several micro-batches) and the token-level loss
     is normalised by the global token count, so the summed gradient equals the full-batch one.
     """
-    ref = layouts["tp1"][0]
-    grads, params = merged(layouts[layout], "grads"), merged(layouts[layout], "params")
+    ref = layouts["tp1"][0][model]
+    runs = layouts[layout]
+    for r in runs:  # every rank reports the global norm
+        norms = [m["grad_norm"] for m in r[model]["history"]]
+        assert norms == pytest.approx([m["grad_norm"] for m in ref["history"]], rel=1e-5), norms
+    grads, params = merged(runs, model, "grads"), merged(runs, model, "params")
     assert grads.keys() == ref["grads"].keys()
     for name, g in ref["grads"].items():
         if layout != "dp2_distopt":  # the distributed optimizer reduce-scatters: each rank holds a shard
             assert torch.allclose(grads[name], g, atol=2e-6, rtol=1e-4), name
-        # Adam's first step is ~lr * g / (|g| + eps): grads of ~1e-8 amplify fp32 noise, so compare at 1% of lr
-        assert torch.allclose(params[name], ref["params"][name], atol=1e-4), name
-    metrics = layouts[layout][-1]["metrics"]
+        assert torch.allclose(params[name], ref["params"][name], atol=LR / 100), name
+    final = merged(runs, model, "params_final")
+    for name, p in ref["params_final"].items():  # (a TP2 norm counting rank 0's shards only: 7.6e-5 off)
+        assert torch.allclose(final[name], p, atol=LR / 20), (name, (final[name] - p).abs().max())
+    metrics = runs[-1][model]["metrics"]
     for key in ("loss", "tokens", "clipfrac_high", "clipfrac_low", "entropy"):
         assert metrics[key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-7), key
 
 
-def test_loss_and_grads_equal_plain_torch(layouts, hf_dir):
-    """Independent oracle: transformers forward + the DAPO loss written out here, autograd grads."""
-    from transformers import Qwen2ForCausalLM
+@pytest.mark.parametrize("model", list(MODELS))
+def test_loss_grad_norm_and_clipped_grads_equal_plain_torch(layouts, hf_dirs, model):
+    """Independent oracle: transformers forward + the DAPO loss written out here, autograd grads, the
+    global grad norm over the HF parameters (a tied matrix counts once) and Megatron's clip."""
+    from transformers import AutoModelForCausalLM
 
-    model = Qwen2ForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dirs[model], dtype=torch.float32)
     b = fixed_batch()
-    logits = model(b.input_ids).logits[:, :-1]
+    logits = hf(b.input_ids).logits[:, :-1]
     lp = torch.log_softmax(logits, -1).gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)
-    old = lp.detach() + 0.3 * torch.sin(torch.arange(b.input_ids.numel()).view_as(b.input_ids) * 1.7)[:, 1:]
+    old = lp.detach() + old_logprob_offset(b)[:, 1:]
     ratio, adv, mask = torch.exp(lp - old), b.advantages[:, None], b.loss_mask[:, 1:]
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - 0.2, 1 + 0.28) * adv)
     loss = -(surrogate * mask).sum() / mask.sum()
     loss.backward()
-    ref = layouts["tp1"][0]
+    norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in hf.parameters())).item()
+    ref = layouts["tp1"][0][model]
     assert ref["metrics"]["loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert ref["metrics"]["tokens"] == mask.sum().item()
     assert 0 < ref["metrics"]["clipfrac_high"] < 1 and 0 < ref["metrics"]["clipfrac_low"] < 1
-    for name, p in model.named_parameters():
-        assert torch.allclose(ref["grads"][name], p.grad, atol=1e-6, rtol=1e-4), name
+    assert ref["metrics"]["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    coef = min(1.0, GRAD_CLIP / (norm + 1e-6))
+    assert coef < 1.0
+    for name, p in hf.named_parameters():
+        assert torch.allclose(ref["grads"][name], coef * p.grad, atol=1e-6, rtol=1e-4), name
 
 
 def test_token_level_exactness_dp2_split(layouts):
     """Each DP rank reported its own share; the sum over ranks is the full-batch loss."""
-    assert layouts["dp2"][0]["metrics"]["loss"] == pytest.approx(layouts["tp1"][0]["metrics"]["loss"], rel=1e-6)
+    for model in LAYOUTS["dp2"][3]:
+        want = layouts["tp1"][0][model]["metrics"]["loss"]
+        assert layouts["dp2"][0][model]["metrics"]["loss"] == pytest.approx(want, rel=1e-6)
 
 
 def test_checkpoint_exact_continuation(hf_dir, layouts, python_env_module):
-    res = run_layout("load", hf_dir, layouts["root"] / "load_tp1", ckpt=layouts["root"] / "ckpt_tp1",
-                     env=python_env_module)
-    assert res[0]["next_losses"] == layouts["tp1"][0]["next_losses"]
-    assert torch.equal(res[0]["logprobs"], layouts["tp1"][0]["logprobs_after"])
+    res = run_layout("load", [hf_dir], layouts["root"] / "load_tp1", ckpt=layouts["root"] / "ckpt_tp1",
+                     env=python_env_module)[0]["untied"]
+    saved = layouts["tp1"][0]["untied"]
+    assert res["next_losses"] == saved["next_losses"]
+    assert torch.equal(res["logprobs"], saved["logprobs_after"])
 
 
 def test_checkpoint_reshard_tp2_to_tp1(hf_dir, layouts, python_env_module):
-    res = run_layout("load", hf_dir, layouts["root"] / "load_tp2_as_tp1", ckpt=layouts["root"] / "ckpt_tp2",
-                     env=python_env_module)
-    saved = layouts["tp2"][0]
+    res = run_layout("load", [hf_dir], layouts["root"] / "load_tp2_as_tp1", ckpt=layouts["root"] / "ckpt_tp2",
+                     env=python_env_module)[0]["untied"]
+    saved = layouts["tp2"][0]["untied"]
     valid = fixed_batch().lengths[:, None] > torch.arange(16)[None]
-    assert (res[0]["logprobs"] - saved["logprobs_after"])[valid].abs().max() < 1e-5
-    assert res[0]["next_losses"] == pytest.approx(saved["next_losses"], rel=1e-4)
+    assert (res["logprobs"] - saved["logprobs_after"])[valid].abs().max() < 1e-5
+    assert res["next_losses"] == pytest.approx(saved["next_losses"], rel=1e-4)
 
 
 def test_train_step_lowers_the_loss(hf_dir, tmp_path, python_env_module):
-    losses = run_layout("learn", hf_dir, tmp_path, env=python_env_module)[0]["losses"]
+    losses = run_layout("learn", [hf_dir], tmp_path, env=python_env_module)[0]["untied"]["losses"]
     assert losses[-1] < losses[0] - 0.05, losses
 
 
@@ -182,7 +222,7 @@ def test_checkpoints_are_atomic_and_pruned(layouts):
 
 
 def test_nonfinite_loss_skips_the_update(hf_dir, tmp_path, python_env_module):
-    res = run_layout("nan", hf_dir, tmp_path, env=python_env_module)[0]
+    res = run_layout("nan", [hf_dir], tmp_path, env=python_env_module)[0]["untied"]
     assert res["metrics"]["nonfinite"] == 1.0 and res["metrics"]["update_ok"] == 0.0
     assert res["unchanged"]
     assert res["metrics_next"]["update_ok"] == 1.0  # the next healthy step trains normally

@@ -1,7 +1,9 @@
 """CUDA-only: the Transformer Engine layer spec in bf16 against the local spec in fp32 (same HF weights)."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +12,7 @@ pytestmark = pytest.mark.gpu
 
 SCRIPT = r"""
 import sys, torch
-sys.path.insert(0, "tests/workers")
-from actor_worker import fixed_batch, make_cfg
+from workers.actor_worker import fixed_batch, make_cfg
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
 hf_dir, out = sys.argv[1], sys.argv[2]
@@ -34,13 +35,14 @@ torch.save(res, out)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_te_bf16_logprobs_match_local_fp32(tmp_path, python_env):
     pytest.importorskip("transformer_engine")
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from workers.actor_worker import VOCAB
 
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "hf")
+    from megatron_dapo.tiny import save_tiny_model
+
+    save_tiny_model(tmp_path / "hf", "qwen2", seed=0, vocab_size=VOCAB)
+    env = {**python_env, "PYTHONPATH": f"{Path(__file__).parent}{os.pathsep}{python_env['PYTHONPATH']}"}
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "hf"), str(tmp_path / "out.pt")],
-                       capture_output=True, text=True, env=python_env, timeout=600)
+                       capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     res = torch.load(tmp_path / "out.pt")
     valid = torch.arange(16)[None, 1:] < torch.tensor([16, 11, 9, 16, 6, 13, 8, 12])[:, None]

@@ -64,7 +64,7 @@ def test_actor_memory_per_gpu_16x8(plan16):
     assert tr.activations == tr.activations_train  # the logprob pass (forward only) needs less
     assert tr.total == pytest.approx(tr.weights + tr.main_grads + tr.optimizer + tr.activations + 4 * GIB)
     assert 30 * GIB < tr.total < 40 * GIB
-    phase = plan16.phases[0]  # the same numbers as the train phase's components, per side
+    phase = plan16.phase("train")  # the same numbers as the train phase's components, per side
     assert phase.name == "train" and phase.engine == {} and phase.reserve == 4 * GIB
     assert phase.actor == {"weights": tr.weights, "main_grads": tr.main_grads, "optimizer": tr.optimizer,
                            "activations": tr.activations}
@@ -84,13 +84,18 @@ def test_rollout_kv_cache_16x8(plan16):
     assert sg.kv_pool_tokens_per_engine == int(pool // 65_536)
     assert sg.worst_case_sequences_in_flight == int(pool // 65_536) // (2048 + 20480)
     assert sg.sequences_per_round_per_engine == 3 * 512 * 16 // 32
-    phase = plan16.rollout.phase()
+    phase = plan16.phase("generate")
     assert plan16.rollout.actor.resident == 0 and phase.total == pytest.approx((0.6 * 80 + 4) * GIB)
-    assert phase.actor == {"resident": 0.0}
+    assert phase.actor == {}  # offloaded (actor.offload_when_idle)
     assert phase.engine == {"weights": sg.weights, "kv_cache": sg.kv_pool}
-    resident = plan_for(16, overrides=["actor.offload_when_idle=false"]).rollout
+    resident = plan_for(16, overrides=["actor.offload_when_idle=false"])
     worst = plan16.train.worst
-    assert resident.actor.resident == worst.weights + worst.main_grads + worst.optimizer
+    assert resident.rollout.actor.resident == worst.weights + worst.main_grads + worst.optimizer
+    assert resident.phase("generate").actor == {"weights": worst.weights, "main_grads": worst.main_grads,
+                                                "optimizer": worst.optimizer}
+    sync = plan16.phase("sync")  # the actor's state next to the engine's weights, no KV cache yet
+    assert sync.actor == {"weights": worst.weights, "main_grads": worst.main_grads, "optimizer": worst.optimizer}
+    assert sync.engine == {"weights": sg.weights}
 
 
 def test_tokens_and_updates_per_step(plan16):
@@ -122,7 +127,7 @@ def test_32b_fits_on_16_nodes_not_on_one(plan16):
     (["rollout.sglang.mem_fraction_static=0.15"], 16, "do not fit in mem_fraction_static"),
     (["rollout.sglang.num_servers=3"], 16, "num_servers=3 x tensor_parallel=4 needs 12 GPUs per node"),
     (["rollout.sglang.mem_fraction_static=0.2"], 16, "cannot hold one worst-case sequence"),
-    (["actor.offload_when_idle=false"], 16, "rollout phase needs"),
+    (["actor.offload_when_idle=false"], 16, "generate phase needs"),
     (["actor.optimizer.distributed_optimizer=false"], 16, "train phase needs"),
 ])
 def test_refusals_name_the_reason(overrides, nodes, reason):
@@ -178,15 +183,17 @@ def test_report_and_json_agree_on_phase_totals(capsys, overrides):
     data = json.loads(capsys.readouterr().out)
     printed = [float(x) for x in re.findall(r"^  total +([\d.]+) +of ", text, flags=re.M)]
     phases = data["phases"]
-    assert list(phases) == (["train", "rollout"] if "rollout.colocate=false" not in overrides else ["train"])
+    assert list(phases) == ["generate", "train", "sync"]  # the phase model's phases, in its order
     assert printed == [round(p["total"] / GIB, 2) for p in phases.values()]
     for p in phases.values():  # a phase total is the sum of its components, per side, plus the reserve
         sides = sum(p["actor"].values()) + sum(p["engine"].values())
         assert p["total"] == pytest.approx(sides + p["reserve"])
     assert phases["train"]["total"] == data["memory"]["train_phase"]["total"]
     assert data["memory"]["train_phase"]["total"] == max(s["total"] for s in data["memory"]["stages"])
-    if "rollout" in phases:
-        assert phases["rollout"]["total"] == data["memory"]["rollout_phase"]["total"]
+    engine = phases["generate"]["engine"]
+    assert engine == ({} if "rollout.colocate=false" in overrides else
+                      {"weights": data["memory"]["rollout_phase"]["weights"],
+                       "kv_cache": data["memory"]["rollout_phase"]["kv_pool"]})
 
 
 @pytest.mark.parametrize("fraction", ["0", "1", "1.5", "-0.1"])

@@ -8,7 +8,8 @@ allocation, validates with 2 ranks.
 `-m slurm` (a real local Slurm: `bash tools/slurm_local.sh up`, or .ci/slurm_tier.sh): the tiny job
 goes through sbatch with 2 tasks (2 ranks, gloo); the test polls `squeue` every second and checks the
 exit code (`scontrol show job`), the log and the TensorBoard events; a second job whose trainer
-exits 2 is reported FAILED with exit code 2.
+exits 2 is reported FAILED with exit code 2; a job sent the time-limit warning (SIGUSR1) saves its
+step, is requeued and resumes from that checkpoint to the end.
 """
 
 import os
@@ -125,6 +126,13 @@ def test_32b_without_weights_is_not_submitted(stub_sbatch):
 def test_tiny_runs_locally_by_default_and_passes_status():
     r = bash("examples/run_dapo_tiny.sh", "algo.eps_hgh=0.3")  # config error: exit 2, nothing built
     assert r.returncode == 2 and "eps_high" in r.stderr
+
+
+def test_both_launchers_ask_for_the_preemption_signal():
+    for script in ("examples/run_dapo_tiny.sh", "examples/run_dapo_32b.sh"):
+        assert re.search(r"^#SBATCH --signal=B:USR1@\d+$", (REPO / script).read_text(), re.M), script
+    common = (REPO / "examples/launch_common.sh").read_text()
+    assert 'kill -USR1 "$pid"' in common and 'scontrol requeue "$SLURM_JOB_ID"' in common
 
 
 def test_tiny_inside_an_allocation_uses_srun_with_two_ranks():
@@ -252,3 +260,53 @@ def test_failing_job_is_reported_failed(slurm_jobs):
     assert info["state"] == "FAILED" and info["exit"] in (2, 143), info["text"] + log[-3000:]
     assert "has no config.json" in log, log[-3000:]
     assert re.search(rf"\[launch\] trainer exited with status {info['exit']}$", log, re.M), log[-3000:]
+
+
+@pytest.mark.slurm
+def test_usr1_before_the_time_limit_saves_requeues_and_resumes(tmp_path):
+    """`#SBATCH --signal=B:USR1@120` as the time limit nears (sent here with `scancel --signal=USR1 --batch`
+    once step 1 is logged): the launcher passes it to both ranks, they finish the step, save it and exit;
+    the launcher requeues the job, which resumes from that checkpoint and completes every step."""
+    _slurm_or_skip()
+    base = REPO / "checkpoints" / "tiny_base"
+    if not (base / "base_info.json").is_file():
+        from megatron_dapo.tiny import ensure_tiny_base
+
+        base = ensure_tiny_base(tmp_path / "tiny_base", seconds=5)
+    r = bash("examples/run_dapo_tiny.sh", "--output", str(tmp_path / "%x-%j.out"), f"model.hf_dir={base}",
+             f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path / 'tb'}",
+             "logging.run_name=slurm_preempt", *FAST, "train.steps=4", "checkpoint.save_every=0",
+             env=script_env(LAUNCH="slurm"), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    job = r.stdout.strip().splitlines()[-1]
+    log_path = tmp_path / f"dapo-tiny-{job}.out"
+    deadline = time.monotonic() + 600
+    while _logged_steps(tmp_path / "tb" / "slurm_preempt") < {1} and time.monotonic() < deadline:
+        time.sleep(1)
+    assert _logged_steps(tmp_path / "tb" / "slurm_preempt") >= {1}, log_path.read_text()[-4000:]
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=30)
+    info = wait_for([job], timeout=900)[job]
+    log = log_path.read_text()
+    assert info["state"] == "COMPLETED" and info["exit"] == 0, info["text"] + log[-5000:]
+    saved = re.search(r"preempted: stopped by SIGUSR1 after step (\d): checkpoint \S+step_0*(\d)", log)
+    assert saved and saved.group(1) == saved.group(2) and int(saved.group(1)) < 4, log[-5000:]
+    for needle in ("SIGUSR1 (time limit near)", f"requeueing job {job}", "(restart 1)",
+                   f"resumed from {tmp_path / 'ckpt' / 'slurm_preempt'}/step_0000000{saved.group(1)}"):
+        assert needle in log, (needle, log[-5000:])
+    assert "Traceback" not in log, log[-5000:]
+    assert _logged_steps(tmp_path / "tb" / "slurm_preempt") == {1, 2, 3, 4}
+
+
+def _logged_steps(logdir: Path) -> set[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps: set[int] = set()
+    for f in sorted(logdir.glob("events.out.tfevents.*")):
+        try:
+            ea = EventAccumulator(str(f))
+            ea.Reload()
+            if "train/reward_mean" in ea.Tags()["scalars"]:
+                steps |= {e.step for e in ea.Scalars("train/reward_mean")}
+        except Exception:  # noqa: BLE001 - a file being written
+            continue
+    return steps

@@ -66,8 +66,9 @@ def test_char_tokenizer_round_trips_task_text(char_tokenizer):
 
 def test_render_without_chat_template_joins_contents(char_tokenizer):
     tok = char_tokenizer
-    ids = render_prompt_ids(tok, _prompt("Be brief. ", "37+45="))
-    assert ids == tok.encode("Be brief. 37+45=", add_special_tokens=False)
+    ids = render_prompt_ids(tok, _prompt("Be brief.", "37+45="))
+    assert ids == tok.encode("Be brief.\n\n37+45=", add_special_tokens=False)  # turns apart by a blank line
+    assert render_prompt_ids(tok, _prompt("37+45=")) == tok.encode("37+45=", add_special_tokens=False)
     assert all(type(i) is int for i in ids)
     assert tok.eos_token_id not in ids and tok.pad_token_id not in ids
 

@@ -2,6 +2,7 @@
 exactly, the final policy exports to HF, dry-run and config errors. `slow`: the full tiny run learns."""
 
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -17,7 +18,12 @@ TAGS = [
     "actor/clipfrac_high", "actor/clipfrac_low", "actor/grad_norm", "actor/lr", "rollout/gen_rounds",
     "rollout/kept_group_frac", "rollout/train_rollout_logprob_absdiff", "val/acc_avg_at_k",
     "timing/rollout_s", "timing/reward_s", "timing/old_logprob_s", "timing/update_s", "timing/weight_sync_s",
-    "timing/step_s", "perf/tokens_per_s", "perf/weight_sync_bytes",
+    "timing/step_s", "perf/tokens_per_s", "perf/weight_sync_bytes", "perf/rollout_bytes_total",
+    "perf/rollout_bytes_max_recv", "memory/actor_bytes_generate", "memory/actor_bytes_train", "memory/actor_bytes_sync",
+    "memory/engine_bytes_generate", "memory/engine_bytes_train", "memory/engine_bytes_sync",
+    "memory/actor_asleep_in_generate",
+    "val/pass_at_k", "val/maj_at_k", "val/response_length_mean", "timing/eval_s", "perf/rollout_tokens_per_s",
+    "reward/failures", "alarm/no_correct_answers",
 ]
 # The test base is trained for seconds and may answer nothing right on a busy machine: the paper's accuracy
 # filter would then keep no group (no update, no actor/* monitors); the score filter keeps length-shaped ones.
@@ -101,12 +107,14 @@ def test_sigkill_and_resume_replays_exactly(base_dir, tmp_path, python_env):
     steps = ["train.steps=4", "checkpoint.save_every=1", "eval.every_steps=0"]
     run_train(train_cmd(base_dir, tmp_path, "straight", *steps), python_env)
     proc = subprocess.Popen(train_cmd(base_dir, tmp_path, "killed", *steps), env=python_env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     marker = tmp_path / "ckpt" / "killed" / "step_00000002" / "COMPLETE"
     deadline = time.time() + 300
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)
-    proc.send_signal(signal.SIGKILL)
+    # Kill the whole job, as a node failure or scancel does: the trainer alone would leave megatron-core's
+    # checkpoint-writer Manager (a multiprocessing spawn child) orphaned and running forever.
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     assert marker.exists(), "the run never reached its step-2 checkpoint"
     assert not (tmp_path / "ckpt" / "killed" / "step_00000004").exists()
@@ -138,22 +146,32 @@ def test_missing_base_model_is_a_clear_error(tmp_path, python_env):
 
 @pytest.mark.slow
 def test_full_tiny_run(tmp_path, python_env):
-    """README command 1 end to end: builds the base if needed, trains, evaluates, exports."""
+    """README command 1 end to end: builds the base if needed, trains, evaluates, exports.
+
+    With MEGATRON_DAPO_TINY_RUN=<repo root> (set by .ci/run, whose README command 1 has just run it
+    there), the checks read that run's outputs (runs/tiny_cpu, checkpoints/tiny_cpu) instead of
+    training a second time."""
     t0 = time.time()
-    r = subprocess.run(["bash", str(REPO / "examples/run_dapo_tiny.sh"), f"checkpoint.dir={tmp_path / 'ckpt'}",
-                        f"logging.tensorboard_dir={tmp_path / 'tb'}"], capture_output=True, text=True,
-                       env=python_env, timeout=1800, cwd=REPO)
-    assert r.returncode == 0, r.stderr[-6000:]
+    done = os.environ.get("MEGATRON_DAPO_TINY_RUN")
+    if done:
+        tb_root, ckpt_root = Path(done) / "runs", Path(done) / "checkpoints"
+        assert (tb_root / "tiny_cpu").is_dir(), f"MEGATRON_DAPO_TINY_RUN={done}: no runs/tiny_cpu there"
+    else:
+        tb_root, ckpt_root = tmp_path / "tb", tmp_path / "ckpt"
+        r = subprocess.run(["bash", str(REPO / "examples/run_dapo_tiny.sh"), f"checkpoint.dir={ckpt_root}",
+                            f"logging.tensorboard_dir={tb_root}"], capture_output=True, text=True,
+                           env=python_env, timeout=1800, cwd=REPO)
+        assert r.returncode == 0, r.stderr[-6000:]
     minutes = (time.time() - t0) / 60
-    tb = scalars(tmp_path / "tb" / "tiny_cpu")
+    tb = scalars(tb_root / "tiny_cpu")
     for tag in TAGS:
         assert tag in tb and all(math.isfinite(v) for v in tb[tag].values()), tag
     val = tb["val/acc_avg_at_k"]
     assert sorted(val) == [0, 10, 20, 30, 40]
     assert val[40] >= val[0] + 0.15, val  # it visibly learns (measured: +26 points; see README)
     assert max(tb["rollout/train_rollout_logprob_absdiff"].values()) < 1e-4
-    assert (tmp_path / "tb" / "tiny_cpu" / "summary.png").is_file()
-    assert (tmp_path / "ckpt" / "tiny_cpu" / "hf_final" / "model.safetensors").is_file()
+    assert (tb_root / "tiny_cpu" / "summary.png").is_file()
+    assert (ckpt_root / "tiny_cpu" / "hf_final" / "model.safetensors").is_file()
     print(f"tiny run: {minutes:.1f} min, val avg@4 {val[0]:.3f} -> {val[40]:.3f}")
 
 

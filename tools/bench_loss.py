@@ -14,12 +14,10 @@ against "naive_linear":
     liger          liger_kernel LigerFusedLinearGRPOLoss(loss_type="dapo", beta=0), chunks of 512
                    tokens; no entropy. Skipped when liger_kernel does not import.
 
-Each case runs in a fresh subprocess. Peak memory is the extra over what is alive before the measured
-call (inputs, incl. the logits): on CUDA torch.cuda.max_memory_allocated; on CPU the peak resident set
-(VmHWM, reset through /proc/self/clear_refs) minus the resident set before, with glibc told to mmap
-every allocation >= 64 KiB and to trim at once (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_), so
-freed tensors leave the resident set. Times are wall-clock of the measured call (best of --repeats),
-after --warmup calls. CPU times depend on the load: the table's header prints the load average.
+Each case runs in a fresh subprocess; peak memory is the extra over what is alive before the measured
+call (inputs, incl. the logits), measured by megatron_dapo.benchmark (CUDA: max_memory_allocated; CPU:
+VmHWM with glibc tuned to return freed memory). Times are wall-clock of the measured call (best of
+--repeats), after --warmup calls. CPU times depend on the load: the table's header prints it.
 
     python tools/bench_loss.py                       # tokens {4k,16k} x vocab {32k,152k}
     python tools/bench_loss.py --tokens 1024 --vocab 8192 --json
@@ -29,49 +27,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import subprocess
 import sys
 import time
-from pathlib import Path
+
+from megatron_dapo.benchmark import PeakMemory, available_bytes, limit_address_space, load_text
+from megatron_dapo.benchmark import run_case as run_fresh
 
 IMPLS = ("naive", "fused", "fused_inplace", "naive_linear", "fused_linear", "liger")
-BASELINE = {
-    "fused": "naive",
-    "fused_inplace": "naive",
-    "fused_linear": "naive_linear",
-    "liger": "naive_linear",
-}
+BASELINE = {"fused": "naive", "fused_inplace": "naive", "fused_linear": "naive_linear", "liger": "naive_linear"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-REPO = Path(__file__).resolve().parents[1]
 
 
 def estimated_bytes(impl: str, tokens: int, vocab: int, dtype: str) -> int:
     """Rough peak (inputs included) to skip cases that cannot fit; measured numbers replace it."""
     elems = tokens * vocab
     naive = 20 + DTYPE_BYTES[dtype]  # measured: ~20 B/element over the logits, fp32 or bf16
-    per_elem = {
-        "naive": naive,
-        "fused": 2 * DTYPE_BYTES[dtype],
-        "fused_inplace": DTYPE_BYTES[dtype],
-        "naive_linear": naive,
-    }
+    per_elem = {"naive": naive, "fused": 2 * DTYPE_BYTES[dtype], "fused_inplace": DTYPE_BYTES[dtype],
+                "naive_linear": naive}
     return elems * per_elem.get(impl, 0) + (1 << 30)
-
-
-def available_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 1 << 62
-
-
-def _rss(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _make_step(impl: str, tokens: int, vocab: int, dtype, device: str, hidden: int):
@@ -100,16 +73,8 @@ def _make_step(impl: str, tokens: int, vocab: int, dtype, device: str, hidden: i
                 reference_logprobs_and_entropy(x, targets)  # entropy as a monitor, as trainers log it
             loss, _ = policy_loss(lp, old, adv, mask, agg_mode="token-mean", global_num_tokens=tokens, **kw)
         else:
-            loss, _ = fused_policy_loss(
-                x,
-                targets,
-                old,
-                adv,
-                mask,
-                global_num_tokens=tokens,
-                inplace_backward=impl == "fused_inplace",
-                **kw,
-            )
+            loss, _ = fused_policy_loss(x, targets, old, adv, mask, global_num_tokens=tokens,
+                                        inplace_backward=impl == "fused_inplace", **kw)
         torch.autograd.grad(loss, logits)
 
     return step, logits.numel() * logits.element_size()
@@ -124,11 +89,8 @@ def _linear_step(impl: str, targets, old, mask, vocab: int, dtype, device: str, 
 
     tokens = targets.shape[1]
     seq = 512 if tokens % 512 == 0 else tokens
-    h = (
-        (torch.randn(tokens // seq, seq, hidden, device=device, generator=gen) * hidden**-0.5)
-        .to(dtype)
-        .requires_grad_()
-    )
+    h = (torch.randn(tokens // seq, seq, hidden, device=device, generator=gen) * hidden**-0.5).to(dtype)
+    h.requires_grad_()
     w = (torch.randn(vocab, hidden, device=device, generator=gen) * 3).to(dtype).requires_grad_()
     targets, old, mask = (t.view(-1, seq) for t in (targets, old, mask))
     adv = torch.ones(tokens // seq, device=device)
@@ -136,14 +98,8 @@ def _linear_step(impl: str, targets, old, mask, vocab: int, dtype, device: str, 
     if impl == "liger":
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
-        liger = LigerFusedLinearGRPOLoss(
-            beta=0.0,
-            compiled=False,
-            use_ref_model=False,
-            epsilon_low=0.2,
-            epsilon_high=0.28,
-            loss_type="dapo",
-        )
+        liger = LigerFusedLinearGRPOLoss(beta=0.0, compiled=False, use_ref_model=False, epsilon_low=0.2,
+                                         epsilon_high=0.28, loss_type="dapo")
 
         def step() -> None:
             out = liger(h, w, targets, mask, adv, old_per_token_logps=old)
@@ -174,66 +130,40 @@ def run_case(args: argparse.Namespace) -> dict:
 
     import torch
 
-    dtype = getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.rlimit_bytes:  # fail with an exception, not the OOM killer (the machine may be shared)
-        resource.setrlimit(resource.RLIMIT_AS, (args.rlimit_bytes, args.rlimit_bytes))
-    step, logits_bytes = _make_step(
-        args.impl[0], args.tokens[0], args.vocab[0], dtype, args.device, args.hidden
-    )
+    limit_address_space(args.rlimit_bytes)
+    step, logits_bytes = _make_step(args.impl[0], args.tokens[0], args.vocab[0], getattr(torch, args.dtype),
+                                    args.device, args.hidden)
     for _ in range(args.warmup):
         step()
     gc.collect()
-    cuda = args.device.startswith("cuda")
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = _rss("VmRSS")
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
     times = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    peak = (torch.cuda.max_memory_allocated() if cuda else _rss("VmHWM")) - base
+    with PeakMemory(args.device) as mem:
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            step()
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
     return {"impl": args.impl[0], "device": args.device, "tokens": args.tokens[0], "vocab": args.vocab[0],
-            "fwd_bwd_s": round(min(times), 4), "peak_bytes": int(peak), "dtype": args.dtype,
+            "fwd_bwd_s": round(min(times), 4), "peak_bytes": int(mem.peak), "dtype": args.dtype,
             "logits_bytes": logits_bytes}  # fmt: skip
 
 
 def spawn_case(args: argparse.Namespace, impl: str, tokens: int, vocab: int) -> dict | None:
-    cmd = [
-        sys.executable,
-        __file__,
-        "--_case",
-        "--impl",
-        impl,
-        "--tokens",
-        str(tokens),
-        "--vocab",
-        str(vocab),
-    ]
+    cmd = [__file__, "--_case", "--impl", impl, "--tokens", str(tokens), "--vocab", str(vocab)]
     for flag in ("dtype", "device", "hidden", "repeats", "warmup", "threads"):
         cmd += [f"--{flag}", str(getattr(args, flag))]
     if args.device == "cpu":
         cmd += ["--rlimit-bytes", str(int(args.limit_bytes) + (4 << 30))]  # + address space that is not data
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=args.timeout)
-    if proc.returncode != 0:
-        print(f"# {impl} tokens={tokens} vocab={vocab} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
-        return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_fresh(cmd, timeout=args.timeout, label=f"{impl} tokens={tokens} vocab={vocab}")
 
 
 def liger_available() -> bool:
-    probe = "import liger_kernel.chunked_loss"
-    return subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True).returncode == 0
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None
 
 
 def main() -> None:
@@ -269,8 +199,7 @@ def main() -> None:
     limit = args.limit_bytes = (args.max_gib * 2**30) if args.max_gib else 0.7 * available_bytes()
     if not args.json:
         threads = f"{args.threads} torch threads, " if args.threads else ""
-        load = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus"
-        print(f"# {args.device} {args.dtype}, {threads}{load}; "
+        print(f"# {args.device} {args.dtype}, {threads}{load_text()}; "
               "ratios: fused* vs naive, fused_linear/liger vs naive_linear", flush=True)  # fmt: skip
     rows = []
     for tokens in args.tokens:

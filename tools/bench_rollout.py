@@ -10,6 +10,12 @@ after a warm-up); the median is reported.
     python tools/bench_rollout.py                       # table with ratios
     python tools/bench_rollout.py --json                # one JSON object per line
     python tools/bench_rollout.py --hidden 256 --layers 4 --vocab 4096 --prompts 4 --n 16
+
+--dynamic instead compares a step's rollout in synchronous rounds vs streaming (the same N informative
+groups per step, long-tailed lengths; see tools/bench_dynamic.py) on the embedded engine and on a real
+SGLang server (its venv: $MEGATRON_DAPO_SGLANG_VENV); one JSON line per (engine, mode) with --json:
+
+    python tools/bench_rollout.py --dynamic --json
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -26,6 +33,8 @@ from transformers import Qwen2ForCausalLM
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.embedded import EmbeddedEngine
 from megatron_dapo.tiny import tiny_config
+
+import bench_dynamic  # tools/bench_dynamic.py (this script's folder is on sys.path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--sequential", action="store_true", help="also time generate once per prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object per line")
+    p.add_argument("--dynamic", action="store_true", help="rounds vs streaming under dynamic sampling")
+    p.add_argument("--port", type=int, default=31700, help="--dynamic: the SGLang server's port")
+    bench_dynamic.add_arguments(p)
     return p
 
 
@@ -94,6 +106,8 @@ def timed(fn: Callable[[], int]) -> tuple[float, int]:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.dynamic:
+        return dynamic(args)
     model = build_model(args)
     prompts = make_prompts(args)
     engine = EmbeddedEngine(model, device=args.device)
@@ -114,6 +128,28 @@ def main(argv: list[str] | None = None) -> None:
             times[name].append(seconds)
     rates = {name: expected / statistics.median(ts) for name, ts in times.items()}
     report(rates, args)
+
+
+def dynamic(args: argparse.Namespace) -> None:
+    from megatron_dapo.rollout.sglang.server import default_python
+
+    unknown = set(args.engines.split(",")) - {"embedded", "sglang"}
+    if unknown or not args.engines:
+        raise SystemExit(f"bench_rollout.py: --engines {args.engines!r}: choose from embedded, sglang")
+    if "sglang" in args.engines and default_python() == sys.executable:
+        raise SystemExit("bench_rollout.py: no SGLang venv: set MEGATRON_DAPO_SGLANG_VENV "
+                         "(tools/sglang_venv.sh) or pass --engines embedded")
+    rows = bench_dynamic.main(args)
+    for row in rows:
+        if args.json:
+            print(json.dumps(row))
+            continue
+        base = next(r for r in rows if r["engine"] == row["engine"] and r["mode"] == "rounds")
+        per_group = row["generated_tokens"] / max(row["kept_groups"], 1)
+        print(f"{row['engine']:<9}{row['mode']:<10} kept {row['kept_groups']:>4}  "
+              f"wall {row['wall_s']:>8.2f} s "
+              f"(x{row['wall_s'] / base['wall_s']:.2f})  tokens/kept group {per_group:>7.0f}  "
+              f"wasted {row['wasted_tokens']:>6}  kept len {row['kept_response_len']}")
 
 
 def report(rates: dict[str, float], args: argparse.Namespace) -> None:

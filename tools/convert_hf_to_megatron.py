@@ -1,4 +1,4 @@
-"""Hugging Face (Qwen2 / Qwen2.5 / Llama safetensors) -> Megatron distributed checkpoint.
+"""Hugging Face (Qwen2 / Qwen2.5 / Llama / Qwen3 / Qwen3-MoE / Qwen2-MoE safetensors) -> Megatron distributed checkpoint.
 
     python tools/convert_hf_to_megatron.py --hf-dir Qwen2.5-32B --save ckpt/qwen32b-init \
         [--tp 8 --pp 2] [--dtype bfloat16] [--verify]
@@ -19,7 +19,7 @@ files are memory-mapped; their pages count as reclaimable page cache).
 
 Checks before anything is written: architecture supported, every tensor present with the shape
 config.json implies and nothing unknown left over, safetensors files complete, TP divides the
-heads / KV heads / FFN size, PP divides the layers, the output folder empty (or --force).
+heads / KV heads / FFN (and expert FFN) sizes, PP divides the layers, the output folder empty (or --force).
 `--verify` reloads the written checkpoint into a fresh fp32 model at this layout and compares its
 logits on a fixed token batch with transformers' (max |diff| <= --tol, default 1e-4).
 

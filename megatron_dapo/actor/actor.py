@@ -10,11 +10,16 @@ import torch.distributed as dist
 
 from megatron_dapo import megatron_cpu, parallel
 from megatron_dapo.actor.batching import MicroBatch, micro_batches, split_rows
-from megatron_dapo.actor.model import ModelSpec, build_model, param_dtype
+from megatron_dapo.actor.model import ModelSpec, build_model, final_hidden_states, output_weight, param_dtype
 from megatron_dapo.actor.optimizer import build_optimizer, build_scheduler, current_lr, wrap_ddp
 from megatron_dapo.config import ActorConfig, AlgoConfig, ModelConfig, ParallelConfig
-from megatron_dapo.kernels import loss_from_logprobs, token_logprobs_and_entropy
+from megatron_dapo.kernels import linear_logprobs_and_entropy, loss_from_logprobs, token_logprobs_and_entropy
+from megatron_dapo.offload import HostOffload, device_bytes
 from megatron_dapo.types import TrainBatch
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """An optimizer step left inf/NaN in the weights: training stops; such weights are never saved."""
 
 
 def _finalize_grads_unscaled(model, num_tokens=None, *args, **kwargs):
@@ -42,7 +47,10 @@ class Actor:
         self.optimizer = build_optimizer(self.ddp, actor_cfg.optimizer, bf16=self.bf16)
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optimizer)
         self.updates = 0
-        self.asleep = False
+        self.loss_impl = actor_cfg.resolved_loss_impl(par_cfg.sequence_parallel)
+        if self.loss_impl == "linear" and par_cfg.sequence_parallel:
+            raise ValueError("actor.loss_impl=linear does not support parallel.sequence_parallel (use logits or auto)")
+        self._offload = HostOffload()
 
     @classmethod
     def from_hf(cls, hf_dir: str, model_cfg: ModelConfig, par_cfg: ParallelConfig, actor_cfg: ActorConfig,
@@ -63,24 +71,39 @@ class Actor:
 
     # --- logprobs --------------------------------------------------------------------------------
 
-    def _token_stats(self, logits: torch.Tensor, input_ids: torch.Tensor, entropy: bool = True
+    def _token_stats(self, out: torch.Tensor, input_ids: torch.Tensor, entropy: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits [b, s, V/TP] -> logprob of token t and entropy at t, as [b, s] (position 0 = 0)."""
-        v_local = logits.shape[-1]
+        """The last stage's output -> logprob of token t and entropy at t, as [b, s] (position 0 = 0).
+
+        `out`: logits [b, s, V/TP] in the model's dtype (loss_impl=logits; the kernels read them in fp32
+        chunks, divide by the temperature as they load, and write their gradient into their storage),
+        or the final hidden states [b, s, H] (loss_impl=linear: the output layer is fused into the
+        kernels, no logits tensor exists). Every position is computed (the last one's target is a dummy
+        and its result dropped): slicing the logits would cost a full-size gradient in backward."""
+        targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], 1)
+        weight = output_weight(self.module) if self.loss_impl == "linear" else None
+        v_local = out.shape[-1] if weight is None else weight.shape[0]
         start = parallel.tp_rank() * v_local
-        valid = max(0, min(v_local, self.spec.vocab_size - start))  # drop Megatron's vocab padding
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        lp, ent = token_logprobs_and_entropy(
-            logits[:, :-1, :valid], input_ids[:, 1:], tp_group=parallel.tp_group() if parallel.tp_size() > 1 else None,
-            vocab_start=start, compute_entropy=entropy)
+        valid = max(0, min(v_local, self.spec.vocab_size - start))  # Megatron's vocab padding is not vocabulary
+        kw = {"tp_group": parallel.tp_group() if parallel.tp_size() > 1 else None, "vocab_start": start,
+              "compute_entropy": entropy, "temperature": self.temperature}
+        if weight is not None:
+            lp, ent = linear_logprobs_and_entropy(out, weight[:valid], targets, **kw)
+        else:
+            lp, ent = token_logprobs_and_entropy(out, targets, vocab_valid=valid,
+                                                 inplace_backward=out.requires_grad and not out.is_leaf, **kw)
         pad = lp.new_zeros(lp.shape[0], 1)
-        return torch.cat([pad, lp], 1), None if ent is None else torch.cat([pad, ent], 1)
+        return torch.cat([pad, lp[:, :-1]], 1), None if ent is None else torch.cat([pad, ent[:, :-1]], 1)
 
     def _forward(self, micro: list[MicroBatch], loss_func, forward_only: bool) -> list[Any]:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         megatron_cpu.enter_thread()
+        if self.loss_impl == "linear":
+            with final_hidden_states(self.module):
+                return self._schedule(micro, loss_func, forward_only)
+        return self._schedule(micro, loss_func, forward_only)
+
+    def _schedule(self, micro: list[MicroBatch], loss_func, forward_only: bool) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -102,7 +125,7 @@ class Actor:
         out_ent = torch.zeros_like(out_lp)
 
         def collect(mb: MicroBatch, logits: torch.Tensor):
-            lp, ent = self._token_stats(logits.float(), mb.input_ids.to(logits.device))
+            lp, ent = self._token_stats(logits, mb.input_ids.to(logits.device))
             width = mb.shape[1]
             out_lp[mb.rows, :width] = lp.cpu()
             out_ent[mb.rows, :width] = ent.cpu()
@@ -139,7 +162,7 @@ class Actor:
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             dev = logits.device
-            lp, ent = self._token_stats(logits.float(), mb.input_ids.to(dev), entropy=True)
+            lp, ent = self._token_stats(logits, mb.input_ids.to(dev), entropy=True)
             is_weights = None if mb.is_weights is None else mb.is_weights.to(dev)
             loss, m = loss_from_logprobs(
                 lp, ent, mb.old_logprobs.to(dev), mb.advantages.to(dev), mb.loss_mask.to(dev),
@@ -164,10 +187,26 @@ class Actor:
             return {**metrics, "grad_norm": float("nan"), "update_ok": 0.0}
         ok, grad_norm, _ = self.optimizer.step()
         self.updates += 1
+        if not self.weights_finite():
+            raise NonFiniteWeightsError(
+                f"update {self.updates}: the optimizer step left inf/NaN in the weights (lr {current_lr(self.optimizer):g}, "
+                f"grad norm {float(grad_norm or 0.0):g}); stopped before saving them (lower actor.optimizer.lr?)")
         return {**metrics, "grad_norm": float(grad_norm or 0.0), "update_ok": float(bool(ok))}
 
+    def weights_finite(self) -> bool:
+        """Collective: True when every rank's weights are finite (one fused reduction per tensor)."""
+        sums = [p.detach().sum(dtype=torch.float32) for p in self.module.parameters()]
+        bad = (~torch.isfinite(torch.stack(sums)).all()).float().reshape(1).to(parallel.device())
+        if dist.is_initialized() and parallel.world_size() > 1:
+            dist.all_reduce(bad)
+        return not bool(bad.item())
+
     def _grads_finite(self) -> bool:
-        return all(bool(torch.isfinite(buf.grad_data.sum())) for buf in self.ddp.buffers)
+        return all(bool(torch.isfinite(buf.grad_data.sum())) for buf in self._buffers())
+
+    def _buffers(self) -> list[Any]:
+        """Megatron DDP's grad buffers: dense parameters, and routed experts (reduced over expert-DP) apart."""
+        return [*self.ddp.buffers, *self.ddp.expert_parallel_buffers]
 
     def _reduce_stats(self, stats: torch.Tensor) -> dict[str, float]:
         """Sum the token statistics over DP (from the last pipeline stage) and flag non-finite values."""
@@ -187,26 +226,47 @@ class Actor:
 
     # --- colocated hybrid engine ------------------------------------------------------------------
 
+    STATE = ("weights", "main_grads", "optimizer")
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The actor's device state by component (the planner's names): parameters (and Megatron's flat
+        parameter buffers), main-grad buffers, optimizer state (fp32 master copies, Adam moments)."""
+        buffers = self._buffers()
+        weights = [*self.module.parameters(), *(b.param_data for b in buffers if b.param_data is not None)]
+        optim: list[torch.Tensor] = []
+        for opt in _torch_optimizers(self.optimizer):
+            optim += [p for g in opt.param_groups for p in g["params"]]
+            optim += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        return {"weights": weights, "main_grads": [b.grad_data for b in buffers], "optimizer": optim}
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes of each state component resident on this rank's device now (0 for all while asleep)."""
+        return device_bytes(self.state_tensors(), parallel.device())
+
+    @property
+    def asleep(self) -> bool:
+        return self._offload.offloaded
+
     def sleep(self) -> None:
-        """Free device memory for the rollout engine: params, grads and optimizer state to CPU."""
+        """Free the device for the rollout engine: weights and optimizer state go to host memory, the
+        main grads are dropped (every update starts from zeroed grads). Same code on CPU and GPU."""
         if self.asleep:
             return
+        self._offload.offload(self.state_tensors(), drop=("main_grads",))
         if torch.cuda.is_available():
-            for buf in self.ddp.buffers:
-                buf.offload_to_cpu(move_params=True, move_grads=True)
-            self.optimizer.offload_to_cpu()
             torch.cuda.empty_cache()
-        self.asleep = True
 
     def wake(self) -> None:
-        if not self.asleep:
-            return
-        if torch.cuda.is_available():
-            for buf in self.ddp.buffers:
-                buf.reload_from_cpu(move_params=True, move_grads=True)
-            self.optimizer.restore_from_cpu()
-        self.asleep = False
+        self._offload.reload()
 
     def _check_awake(self) -> None:
         if self.asleep:
             raise RuntimeError("actor is asleep (rollout phase): call wake() before computing")
+
+
+def _torch_optimizers(opt: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron (chained) optimizer."""
+    if hasattr(opt, "chained_optimizers"):
+        return [o for c in opt.chained_optimizers for o in _torch_optimizers(c)]
+    inner = getattr(opt, "optimizer", None)
+    return [inner] if isinstance(inner, torch.optim.Optimizer) else []

@@ -120,6 +120,9 @@ def _finish_megatron_folder(cfg: ToMegatron, plan: ToMegatronPlan, staging: Path
             "dtype": plan.dtype, "source_dtype": plan.source_dtype, "hf_tensors": tensors, "hf_bytes": nbytes,
             "hf_files": ["config.json", *hf_files]}
     (staging / checks.CONVERSION_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    from megatron_dapo.actor.checkpoint_files import write_manifest
+
+    write_manifest(staging, collective=False)  # load_checkpoint verifies it
     (staging / "COMPLETE").write_text("0")
 
 

@@ -2,8 +2,9 @@
 
 A dist checkpoint stores every tensor under its global shape, so one process reads any layout. Keys
 are found for both layer specs (Transformer Engine fuses the norms into the next linear; the local
-spec keeps them apart) and for both per-layer and stacked-layer key styles; every shape is checked
-against config.json before a byte is read.
+spec keeps them apart) and for both per-layer and stacked-layer key styles; routed experts are stacked
+along a second axis (`decoder.layers.mlp.experts.experts.linear_fc1.weight` [layers, experts, ...],
+whatever expert parallel wrote them). Every shape is checked against config.json before a byte is read.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from pathlib import Path
 
 import torch
 
-from megatron_dapo.actor.hf_mapping import TensorRule, expected_hf_shape, hf_to_megatron, stage_rules
+from megatron_dapo.actor.hf_mapping import TensorRule, expected_hf_shape, full_shape, stage_rules
 from megatron_dapo.actor.model import ModelSpec
 from megatron_dapo.cli import UserError
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.\d+\.(.+)$")
 # Checkpoint keys of the local layer spec where Transformer Engine fuses the norm into the next linear.
 _LOCAL_KEYS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
                "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
@@ -32,6 +34,11 @@ class Entry:
     key: str           # dist-checkpoint key
     layer: int | None  # index into the stacked layer axis, None if the key holds this tensor alone
     nbytes_out: int = 0
+
+    @property
+    def index(self) -> tuple[int, ...]:
+        """Indices into the stacked leading axes (layer, then expert for a routed expert)."""
+        return tuple(i for i in (self.layer, self.rule.expert) if i is not None)
 
 
 class CheckpointReader:
@@ -59,6 +66,9 @@ class CheckpointReader:
         m = _LAYER.match(rule.megatron_name)
         if m is None:
             key = rule.megatron_name if rule.megatron_name in self.meta else None
+        elif rule.expert is not None:  # only the stacked style: [layers, experts, ...]
+            key = f"decoder.layers.mlp.experts.experts.{_EXPERT.match(m.group(2)).group(1)}"
+            key, layer = (key, int(m.group(1))) if key in self.meta else (None, None)
         else:
             i, rest = int(m.group(1)), m.group(2)
             for name in (rest, _LOCAL_KEYS.get(rest)):
@@ -83,6 +93,11 @@ class CheckpointReader:
             if shape[0] != self.spec.num_layers:
                 raise UserError(f"{self.ckpt}: the checkpoint has {shape[0]} layers, config.json says "
                                 f"num_hidden_layers={self.spec.num_layers}")
+            shape = shape[1:]
+        if rule.expert is not None:
+            if shape[0] != self.spec.moe.num_experts:
+                raise UserError(f"{self.ckpt}: the checkpoint has {shape[0]} experts per layer, config.json "
+                                f"says num_experts={self.spec.moe.num_experts}")
             shape = shape[1:]
         want = full_shape(rule, self.spec)
         if rule.kind == "vocab":
@@ -111,27 +126,17 @@ class CheckpointReader:
 
         request = {}
         for e in entries:
-            st = self.meta[e.key]
-            if e.layer is None:
-                buf = torch.empty(st.global_shape, dtype=st.dtype)
-                request[e.rule.megatron_name] = ShardedTensor.from_rank_offsets(e.key, buf, replica_id=0)
-            else:
-                buf = torch.empty((1, *st.global_shape[1:]), dtype=st.dtype)
-                request[e.rule.megatron_name] = ShardedTensor.from_rank_offsets(
-                    e.key, buf, (0, e.layer, st.global_shape[0]), replica_id=0)
+            st, stacked = self.meta[e.key], len(e.index)
+            buf = torch.empty((1,) * stacked + tuple(st.global_shape[stacked:]), dtype=st.dtype)
+            offsets = [(axis, i, st.global_shape[axis]) for axis, i in enumerate(e.index)]
+            request[e.rule.megatron_name] = ShardedTensor.from_rank_offsets(e.key, buf, *offsets, replica_id=0)
         loaded = dist_checkpointing.load(request, str(self.ckpt), validate_access_integrity=False)
         out = {}
         for e in entries:
             t = loaded[e.rule.megatron_name]
-            t = t[0] if e.layer is not None else t
+            t = t.reshape(t.shape[len(e.index):])
             out[e.rule.megatron_name] = t[: self.spec.vocab_size] if e.rule.kind == "vocab" else t
         return out
-
-
-def full_shape(rule: TensorRule, spec: ModelSpec) -> tuple[int, ...]:
-    """The unpadded full Megatron shape of a rule, derived from the HF shapes through the one map."""
-    parts = [torch.empty(expected_hf_shape(n, spec), device="meta") for n in rule.hf_names]
-    return tuple(hf_to_megatron(parts, rule, spec).shape)
 
 
 def plan_shards(entries: list[Entry], spec: ModelSpec, itemsize: int, max_bytes: int) -> list[list[Entry]]:

@@ -1,4 +1,10 @@
-"""Move weights between a Megatron GPTModel shard and Hugging Face safetensors, one tensor at a time."""
+"""Move weights between a Megatron GPTModel shard and Hugging Face safetensors, one tensor at a time.
+
+Loading reads only what this rank holds (its TP shard, its pipeline stage's layers, its expert-parallel
+rank's experts). Exporting is collective: TP shards are all-gathered (over the expert TP group for
+routed experts) and each routed expert is broadcast from the expert-parallel rank that holds it, so every
+rank of a pipeline stage yields every HF tensor of the stage, in the same order.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from megatron_dapo import parallel
 from megatron_dapo.actor.hf_mapping import (
     TensorRule,
     expected_hf_shape,
+    full_shape,
     hf_to_megatron,
     megatron_to_hf,
     shard,
@@ -23,15 +30,32 @@ from megatron_dapo.actor.model import ModelSpec
 from megatron_dapo.hf_files import HFCheckpointError, SafetensorsReader, copy_aux_files
 
 
-def _tp() -> tuple[int, int]:
-    return (parallel.tp_rank(), parallel.tp_size()) if dist.is_initialized() else (0, 1)
+def _tp(rule: TensorRule) -> tuple[int, int]:
+    """(rank, size) of the group that shards this tensor: TP, or expert TP for a routed expert."""
+    if not dist.is_initialized():
+        return 0, 1
+    if rule.expert is not None:
+        return parallel.expert_tp_rank(), parallel.expert_tp_size()
+    return parallel.tp_rank(), parallel.tp_size()
+
+
+def _stage() -> tuple[int, int]:
+    return (parallel.pp_rank(), parallel.pp_size()) if dist.is_initialized() else (0, 1)
+
+
+def _ep() -> tuple[int, int]:
+    return (parallel.ep_rank(), parallel.ep_size()) if dist.is_initialized() else (0, 1)
+
+
+def _is_te(model: torch.nn.Module) -> bool:
+    return any(n.endswith("layer_norm_weight") for n, _ in model.named_parameters())
 
 
 def _rules_for(model: torch.nn.Module, spec: ModelSpec) -> list[TensorRule]:
-    pp_rank, pp_size = (parallel.pp_rank(), parallel.pp_size()) if dist.is_initialized() else (0, 1)
+    """This rank's rules (its stage, its experts), checked against the model's parameter names."""
+    (pp_rank, pp_size), (ep_rank, ep_size) = _stage(), _ep()
     names = {n for n, _ in model.named_parameters()}
-    te = any(n.endswith("layer_norm_weight") for n in names)
-    rules = stage_rules(spec, pp_rank, pp_size, te=te)
+    rules = stage_rules(spec, pp_rank, pp_size, te=_is_te(model), ep_rank=ep_rank, ep_size=ep_size)
     mapped = {r.megatron_name for r in rules}
     if names != mapped:
         raise HFCheckpointError(f"model/mapping mismatch: unmapped params {sorted(names - mapped)[:5]}, "
@@ -42,7 +66,6 @@ def _rules_for(model: torch.nn.Module, spec: ModelSpec) -> list[TensorRule]:
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, reader: SafetensorsReader, spec: ModelSpec) -> int:
     """Copy HF tensors into this rank's shard of `model`; returns bytes read. Checks every shape."""
-    tp_rank, tp_size = _tp()
     params = dict(model.named_parameters())
     total = 0
     for rule in _rules_for(model, spec):
@@ -55,6 +78,7 @@ def load_hf_weights(model: torch.nn.Module, reader: SafetensorsReader, spec: Mod
             tensors.append(t)
             total += t.numel() * t.element_size()
         param = params[rule.megatron_name]
+        tp_rank, tp_size = _tp(rule)
         piece = shard(hf_to_megatron(tensors, rule, spec), rule, tp_rank, tp_size, _padded_rows(param, rule, tp_size))
         param.copy_(piece.to(param.dtype))
     return total
@@ -67,29 +91,56 @@ def _padded_rows(param: torch.Tensor, rule: TensorRule, tp_size: int) -> int:
 @torch.no_grad()
 def export_hf_weights(model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtype | None = None,
                       *, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for this pipeline stage, gathering TP shards (every TP rank yields).
+    """Yield (HF name, full tensor) for this pipeline stage, gathering TP shards and routed experts from
+    their expert-parallel ranks (every rank of the stage yields every tensor).
 
     With grads=True, yields the accumulated gradients (Megatron's `main_grad`) in HF layout instead.
     Tensors may alias live parameters or grad buffers: consume or copy them before the next update.
     """
-    _, tp_size = _tp()
     params = dict(model.named_parameters())
-    for rule in _rules_for(model, spec):
+    mine = {(r.expert, r.hf_names): params[r.megatron_name] for r in _rules_for(model, spec)}
+    like = _data(next(iter(params.values())), grads)
+    for rule in stage_rules(spec, *_stage(), te=_is_te(model)):  # the stage's HF view: all experts
         if not rule.exported:
             continue
-        param = params[rule.megatron_name]
-        local = (param.main_grad if grads else param).detach()
-        shards = _gather_tp(local, tp_size) if rule.kind != "replicated" else [local]
-        full = unshard(shards, rule, spec.vocab_size)
+        param = mine.get((rule.expert, rule.hf_names))
+        local = None if param is None else _data(param, grads)
+        full = _full_tensor(local, rule, spec) if rule.expert is None else _full_expert(local, rule, spec, like)
         for name, t in zip(rule.hf_names, megatron_to_hf(full, rule, spec)):
             yield name, (t if dtype is None else t.to(dtype)).contiguous()
 
 
-def _gather_tp(local: torch.Tensor, tp_size: int) -> list[torch.Tensor]:
-    if tp_size == 1:
+def _data(param: torch.Tensor, grads: bool) -> torch.Tensor:
+    return (param.main_grad if grads else param).detach()
+
+
+def _full_tensor(local: torch.Tensor, rule: TensorRule, spec: ModelSpec) -> torch.Tensor:
+    if rule.kind == "replicated":
+        return local
+    group = (parallel.expert_tp_group() if rule.expert is not None else parallel.tp_group()) \
+        if dist.is_initialized() else None
+    return unshard(_gather(local, _tp(rule)[1], group), rule, spec.vocab_size)
+
+
+def _full_expert(local: torch.Tensor | None, rule: TensorRule, spec: ModelSpec, like: torch.Tensor) -> torch.Tensor:
+    """A routed expert's full tensor on every rank: gathered over expert TP by the expert-parallel rank
+    that holds it, then broadcast to the other expert-parallel ranks."""
+    full = None if local is None else _full_tensor(local, rule, spec)
+    ep_rank, ep_size = _ep()
+    if ep_size == 1:
+        return full
+    owner = rule.expert // (spec.moe.num_experts // ep_size)
+    if full is None:
+        full = torch.empty(full_shape(rule, spec), dtype=like.dtype, device=like.device)
+    dist.broadcast(full, dist.get_process_group_ranks(parallel.ep_group())[owner], group=parallel.ep_group())
+    return full
+
+
+def _gather(local: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    if size == 1:
         return [local]
-    out = [torch.empty_like(local) for _ in range(tp_size)]
-    dist.all_gather(out, local.contiguous(), group=parallel.tp_group())
+    out = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(out, local.contiguous(), group=group)
     return out
 
 

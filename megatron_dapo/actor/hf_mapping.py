@@ -1,11 +1,18 @@
-"""The ONE name/shape map between Hugging Face Qwen2/Qwen2.5/Llama and Megatron GPTModel tensors.
+"""The ONE name/shape map between Hugging Face Qwen2/Qwen2.5/Llama/Qwen3(-MoE)/Qwen2-MoE and Megatron
+GPTModel tensors.
 
 Used by checkpoint conversion (tools/), by loading the actor from an HF dir, and by rollout weight
 sync. Plain torch: no Megatron import. Layouts:
 - fused QKV: Megatron groups rows per KV head: [q heads of group g; k_g; v_g] for g in KV groups,
   so a TP shard (a contiguous chunk of rows) holds whole groups;
-- fc1 = [gate; up]; under TP each rank holds [gate shard; up shard];
-- embeddings / lm_head are padded to the padded vocab and split by rows over TP.
+- fc1 = [gate; up]; under TP each rank holds [gate shard; up shard] (dense MLP, every expert, the
+  shared expert);
+- embeddings / lm_head are padded to the padded vocab and split by rows over TP;
+- MoE: the router (`mlp.gate`), the shared expert's sigmoid gate and the q/k norms are replicated;
+  routed experts are spread over the expert-parallel ranks (EP rank r holds experts
+  r*E/EP .. (r+1)*E/EP-1 as `local_experts.0..`) and each is TP-sharded like a dense MLP.
+HF names are the checkpoint's (`mlp.experts.<e>.gate_proj.weight`), which SGLang and
+`from_pretrained` take; transformers >= 5 fuses them into 3D tensors only in memory.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ class TensorRule:
     kind: Kind
     exported: bool = True
     """False for a copy that HF does not store (tied lm_head on a later pipeline stage)."""
+    expert: int | None = None
+    """The global index of the routed expert this tensor belongs to: it lives on one expert-parallel
+    rank and is sharded over the expert tensor-parallel group."""
 
 
 def layer_range(spec: ModelSpec, pp_rank: int, pp_size: int) -> range:
@@ -36,14 +46,17 @@ def layer_range(spec: ModelSpec, pp_rank: int, pp_size: int) -> range:
     return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
 
 
-def stage_rules(spec: ModelSpec, pp_rank: int = 0, pp_size: int = 1, *, te: bool = False) -> list[TensorRule]:
-    """Every parameter of one pipeline stage, in a fixed order."""
+def stage_rules(spec: ModelSpec, pp_rank: int = 0, pp_size: int = 1, *, te: bool = False, ep_rank: int = 0,
+                ep_size: int = 1) -> list[TensorRule]:
+    """Every parameter of one pipeline stage, in a fixed order; with ep_size > 1 only the routed experts
+    of expert-parallel rank `ep_rank` (ep_size=1: all of them, the stage's HF view)."""
     rules: list[TensorRule] = []
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     if first:
         rules.append(TensorRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"))
+    experts = _local_experts(spec, ep_rank, ep_size)
     for local, layer in enumerate(layer_range(spec, pp_rank, pp_size)):
-        rules += _layer_rules(spec, f"decoder.layers.{local}.", f"model.layers.{layer}.", te)
+        rules += _layer_rules(spec, f"decoder.layers.{local}.", f"model.layers.{layer}.", te, experts)
     if last:
         rules.append(TensorRule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
         if not spec.tied_embeddings:
@@ -53,22 +66,49 @@ def stage_rules(spec: ModelSpec, pp_rank: int = 0, pp_size: int = 1, *, te: bool
     return rules
 
 
-def _layer_rules(spec: ModelSpec, m: str, h: str, te: bool) -> list[TensorRule]:
-    attn, mlp = f"{h}self_attn.", f"{h}mlp."
+def _local_experts(spec: ModelSpec, ep_rank: int, ep_size: int) -> range:
+    if spec.moe is None:
+        return range(0)
+    per_rank = spec.moe.num_experts // ep_size
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def _layer_rules(spec: ModelSpec, m: str, h: str, te: bool, experts: range) -> list[TensorRule]:
+    attn = f"{h}self_attn."
     in_norm = f"{m}self_attention.linear_qkv.layer_norm_weight" if te else f"{m}input_layernorm.weight"
-    mlp_norm = f"{m}mlp.linear_fc1.layer_norm_weight" if te else f"{m}pre_mlp_layernorm.weight"
+    # Transformer Engine fuses the pre-MLP norm into a dense fc1; a MoE layer keeps it apart in both specs
+    fused_mlp_norm = te and spec.moe is None
+    mlp_norm = f"{m}mlp.linear_fc1.layer_norm_weight" if fused_mlp_norm else f"{m}pre_mlp_layernorm.weight"
     rules = [
         TensorRule(in_norm, (f"{h}input_layernorm.weight",), "replicated"),
         TensorRule(f"{m}self_attention.linear_qkv.weight",
                    (f"{attn}q_proj.weight", f"{attn}k_proj.weight", f"{attn}v_proj.weight"), "qkv"),
-        TensorRule(f"{m}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), "row"),
-        TensorRule(mlp_norm, (f"{h}post_attention_layernorm.weight",), "replicated"),
-        TensorRule(f"{m}mlp.linear_fc1.weight", (f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"), "fc1"),
-        TensorRule(f"{m}mlp.linear_fc2.weight", (f"{mlp}down_proj.weight",), "row"),
     ]
     if spec.qkv_bias:
-        rules.insert(2, TensorRule(f"{m}self_attention.linear_qkv.bias",
-                                   (f"{attn}q_proj.bias", f"{attn}k_proj.bias", f"{attn}v_proj.bias"), "qkv_bias"))
+        rules.append(TensorRule(f"{m}self_attention.linear_qkv.bias",
+                                (f"{attn}q_proj.bias", f"{attn}k_proj.bias", f"{attn}v_proj.bias"), "qkv_bias"))
+    if spec.qk_norm:
+        rules += [TensorRule(f"{m}self_attention.q_layernorm.weight", (f"{attn}q_norm.weight",), "replicated"),
+                  TensorRule(f"{m}self_attention.k_layernorm.weight", (f"{attn}k_norm.weight",), "replicated")]
+    rules += [TensorRule(f"{m}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), "row"),
+              TensorRule(mlp_norm, (f"{h}post_attention_layernorm.weight",), "replicated")]
+    if spec.moe is None:
+        return rules + _mlp_rules(f"{m}mlp.", f"{h}mlp.")
+    return rules + _moe_rules(spec, f"{m}mlp.", f"{h}mlp.", experts)
+
+
+def _mlp_rules(m: str, h: str, expert: int | None = None) -> list[TensorRule]:
+    return [TensorRule(f"{m}linear_fc1.weight", (f"{h}gate_proj.weight", f"{h}up_proj.weight"), "fc1", expert=expert),
+            TensorRule(f"{m}linear_fc2.weight", (f"{h}down_proj.weight",), "row", expert=expert)]
+
+
+def _moe_rules(spec: ModelSpec, m: str, h: str, experts: range) -> list[TensorRule]:
+    rules = [TensorRule(f"{m}router.weight", (f"{h}gate.weight",), "replicated")]
+    for e in experts:
+        rules += _mlp_rules(f"{m}experts.local_experts.{e - experts.start}.", f"{h}experts.{e}.", expert=e)
+    if spec.moe.shared_expert_size:
+        rules += _mlp_rules(f"{m}shared_experts.", f"{h}shared_expert.")
+        rules.append(TensorRule(f"{m}shared_experts.gate_weight", (f"{h}shared_expert_gate.weight",), "replicated"))
     return rules
 
 
@@ -80,16 +120,27 @@ def hf_names(spec: ModelSpec) -> list[str]:
 def expected_hf_shape(name: str, spec: ModelSpec) -> tuple[int, ...]:
     """The shape an HF tensor must have, from the config alone."""
     h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    leaf = name.rsplit(".", 2)
-    key = ".".join(leaf[-2:])
+    ffn = spec.ffn_hidden_size
+    if spec.moe is not None and ".mlp.experts." in name:
+        ffn = spec.moe.ffn_hidden_size
+    elif spec.moe is not None and ".mlp.shared_expert." in name:
+        ffn = spec.moe.shared_expert_size
+    key = ".".join(name.rsplit(".", 2)[-2:])
     shapes = {
         "embed_tokens.weight": (spec.vocab_size, h), "lm_head.weight": (spec.vocab_size, h),
         "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
         "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.weight": (h, q),
-        "gate_proj.weight": (spec.ffn_hidden_size, h), "up_proj.weight": (spec.ffn_hidden_size, h),
-        "down_proj.weight": (h, spec.ffn_hidden_size),
+        "q_norm.weight": (spec.head_dim,), "k_norm.weight": (spec.head_dim,),
+        "gate_proj.weight": (ffn, h), "up_proj.weight": (ffn, h), "down_proj.weight": (h, ffn),
+        "gate.weight": (spec.moe.num_experts if spec.moe else 0, h), "shared_expert_gate.weight": (1, h),
     }
     return shapes.get(key, (h,))
+
+
+def full_shape(rule: TensorRule, spec: ModelSpec) -> tuple[int, ...]:
+    """The unpadded full Megatron shape of a rule, derived from the HF shapes through the one map."""
+    parts = [torch.empty(expected_hf_shape(n, spec), device="meta") for n in rule.hf_names]
+    return tuple(hf_to_megatron(parts, rule, spec).shape)
 
 
 # --- full (unsharded) tensors: HF <-> Megatron ---------------------------------------------------

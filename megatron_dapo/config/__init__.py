@@ -54,7 +54,7 @@ def build_parser(description: str = "Resolve and check a megatron-dapo config.")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         validate(cfg, args.world_size)

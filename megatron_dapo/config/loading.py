@@ -52,13 +52,49 @@ class CliText(str):
 
 
 def _coerce_text(text: CliText, tp: Any, key: str) -> Any:
-    parsed = yaml.safe_load(text) if text.strip() else ""
     try:
+        parsed = yaml.load(text, Loader=_StrictLoader) if text.strip() else ""
         return _coerce(parsed, tp, key)
-    except ConfigError:
+    except (ConfigError, yaml.YAMLError) as e:
         if _accepts_str(tp):
             return _coerce(str(text), tp, key)
-        raise
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"override {key}={text}: not a valid value ({_yaml_problem(e)})") from None
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.safe_load, except that a key given twice in one mapping is an error (not: the last wins)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """One line from a YAML error: what is wrong and where (1-based line and column)."""
+    def at(mark: Any) -> str:
+        return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+    what = (getattr(e, "problem", None) or str(e).splitlines()[0]) + at(getattr(e, "problem_mark", None))
+    context = getattr(e, "context", None)
+    return f"{what} ({context}{at(getattr(e, 'context_mark', None))})" if context else what
+
+
+def read_yaml(path: Path) -> Any:
+    """Parse a YAML file strictly (duplicate keys are errors); a ConfigError names the file and line."""
+    try:
+        return yaml.load(path.read_text(), Loader=_StrictLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {_yaml_problem(e)}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read: {e}") from None
 
 
 def _accepts_str(tp: Any) -> bool:
@@ -123,7 +159,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
-        delta = yaml.safe_load(p.read_text()) or {}
+        delta = read_yaml(p) or {}
         if not isinstance(delta, dict):
             raise ConfigError(f"{p}: top level must be a mapping of sections")
         apply_delta(cfg, delta)

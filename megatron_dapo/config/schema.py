@@ -5,12 +5,15 @@ YAML files hold deltas over these defaults (loading.py); `validate()` (validatio
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 FilterMetric = Literal["acc", "score"]
 OnExhausted = Literal["train_partial", "error"]
+REWARD_FUNCTION = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+"""reward.name of a user function: `module.path:function`."""
 
 
 class ConfigError(ValueError):
@@ -23,6 +26,9 @@ class ParallelConfig:
     """Megatron tensor-parallel size (TP)."""
     pipeline_parallel: int = 1
     """Megatron pipeline-parallel size (PP); DP = world_size / (TP * PP)."""
+    expert_parallel: int = 1
+    """Mixture-of-experts models: experts split over this many ranks (EP), inside the TP x DP ranks of a
+    pipeline stage; must divide num_experts and world_size / (TP * PP)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend; auto = nccl with CUDA, gloo without."""
     sequence_parallel: bool = False
@@ -41,6 +47,9 @@ class ModelConfig:
     """Layer spec: auto = Transformer Engine when it imports, else the local spec."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation granularity."""
+    chat_template: str = "auto"
+    """How prompts are rendered: auto = the tokenizer's chat template (plain text if it has none); none =
+    plain text (base models); or a Jinja file replacing the tokenizer's. Start-up says which is used."""
 
 
 @dataclass(kw_only=True)
@@ -63,12 +72,26 @@ class OptimizerConfig:
 @dataclass(kw_only=True)
 class ActorConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    micro_batch_tokens: int = 16384
-    """Token budget of one training micro-batch (samples are packed up to it)."""
-    logprob_micro_batch_tokens: int = 32768
-    """Token budget of one micro-batch when computing pi_old log-probs."""
+    micro_batch_tokens: int = 0
+    """Token budget of one training micro-batch (samples are packed up to it). 0 = from the vocabulary
+    (config/sizing.py): the largest power of two <= 16384 whose fp32 logits shard (tokens x vocab / TP
+    x 4 bytes) fits in 256 MiB on CPU, 2 GiB on GPU: 16384 for a small vocabulary, 1024 for a 49k one
+    on CPU. Logits dominate a small model's memory at real vocabularies."""
+    logprob_micro_batch_tokens: int = 0
+    """Token budget of one micro-batch when computing pi_old log-probs; 0 = as above with twice the
+    budget, at most 32768."""
     offload_when_idle: bool = True
     """Colocated mode: move params/grads/optimizer state to CPU while the rollout holds the GPU."""
+    loss_impl: Literal["auto", "logits", "linear"] = "auto"
+    """How the loss reads the model: logits = the output layer's logits in the model's dtype, streamed
+    through the fused kernels (no fp32 copy); linear = final hidden states + the output weight fused into
+    the kernels (no logits tensor at all); auto = linear, or logits with parallel.sequence_parallel."""
+
+    def resolved_loss_impl(self, sequence_parallel: bool) -> str:
+        """"logits" or "linear": auto is linear unless the hidden states are sequence-sharded."""
+        if self.loss_impl == "auto":
+            return "logits" if sequence_parallel else "linear"
+        return self.loss_impl
 
 
 @dataclass(kw_only=True)
@@ -109,13 +132,25 @@ class RolloutConfig:
     """Nucleus sampling for training rollouts (paper: 1.0)."""
     weight_sync_bucket_mb: int = 512
     """Size of one weight-sync bucket in MiB (actor -> rollout)."""
+    streaming: bool = False
+    """Streaming rollout (loop/stream.py): groups are scored as each finishes, the stream is kept topped
+    up (algo.gen_batch_multiplier x missing / kept fraction in flight), and the step stops at N informative
+    groups, aborting the rest. false = synchronous rounds (loop/collect.py)."""
+    max_inflight_groups: int = 0
+    """Streaming: at most this many groups submitted and unfinished (0 = 2 x ceil(N x
+    gen_batch_multiplier))."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
 @dataclass(kw_only=True)
 class RewardConfig:
-    name: Literal["math_dapo"] = "math_dapo"
-    """Rule-based verifier: +1 if the extracted integer answer equals the truth else -1 (eq. 7)."""
+    name: str = "math_dapo"
+    """math_dapo = the rule-based verifier: +1 if the extracted answer equals the truth else -1 (eq. 7);
+    or `module.path:function`, a callable (response, ground_truth, sample) -> reward.RewardResult,
+    imported once; a call that raises, times out or returns something else scores -1 and is counted
+    (reward/failures), the first one logged with its traceback."""
+    timeout_s: float = 10.0
+    """Limit on one call of a user reward function (0 = none); math_dapo is bounded and needs none."""
     soft_overlong_punishment: bool = True
     """Add eq. 13's length-aware penalty inside the last cache_len tokens before L_max."""
     overlong_cache_len: int = 4096
@@ -186,6 +221,17 @@ class DataConfig:
     """Rows whose prompt text is longer than this are skipped (counted, reported)."""
     shuffle: bool = True
     """Reshuffle the training prompts every epoch (seeded)."""
+    prompt_template: str = "auto"
+    """How a row becomes the user message (data/templates.py): auto = each dataset's own form
+    (DAPO-Math-17K rows as stored, with the DAPO instruction; GSM8K with that instruction; arithmetic
+    bare); dapo_math = the DAPO-Math-17K instruction around the question; gsm8k = the question + "output
+    the final answer after ####" (needs reward.answer_fallback=boxed); raw = the question alone; or a
+    file: Jinja (*.jinja, *.j2) or a Python format string, with {question} and {data_source}."""
+    system_prompt: str | None = None
+    """A system message for every prompt (replacing a row's own). None = none added; a chat template
+    may still insert its default one (Qwen2.5 does): start-up reports it."""
+    few_shot_path: str | None = None
+    """jsonl of {"question", "response"} examples, put before every prompt as user/assistant turns."""
 
 
 @dataclass(kw_only=True)
@@ -228,7 +274,10 @@ class CheckpointConfig:
     keep_last: int = 3
     """Keep this many most recent checkpoints."""
     resume: str = "auto"
-    """auto = continue from the latest complete checkpoint if any; none; or a checkpoint path."""
+    """auto = continue from the newest checkpoint of this run that verifies; none; or a checkpoint path."""
+    overwrite: bool = False
+    """Delete what the run folder holds of another run (or checkpoints newer than the one resumed) instead
+    of refusing to start: a run owns <dir>/<logging.run_name>/."""
     export_hf: bool = True
     """Export the final policy in Hugging Face format."""
 
@@ -243,6 +292,11 @@ class LoggingConfig:
     """Alarm when actor entropy falls below this fraction of its first value."""
     length_blowup_frac: float = 0.95
     """Alarm when the mean response length exceeds this fraction of max_response_len."""
+    samples_every: int = 10
+    """Write sampled training responses to <tensorboard_dir>/<run_name>/samples/step_<k>.jsonl every this
+    many steps (0 = never); every evaluation writes its own there too."""
+    samples_per_step: int = 32
+    """Responses per split (train / val) in each samples file; the first 4 also go to TensorBoard text."""
 
 
 @dataclass(kw_only=True)

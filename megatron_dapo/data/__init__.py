@@ -12,8 +12,12 @@ from megatron_dapo.data.datasets import (
     normalize_integer_answer,
 )
 from megatron_dapo.data.iterator import PromptIterator
+from megatron_dapo.data.templates import DAPO_MATH_TEMPLATE, TEMPLATE_NAMES, PromptFormat
 
 __all__ = [
+    "DAPO_MATH_TEMPLATE",
+    "PromptFormat",
+    "TEMPLATE_NAMES",
     "GSM8K_PROMPT_TEMPLATE",
     "LoadResult",
     "PromptIterator",

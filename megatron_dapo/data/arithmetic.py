@@ -1,5 +1,8 @@
 """Built-in integer-answer task: short arithmetic problems such as "37+45=", answered "Answer: 82".
 
+Two styles of user message: `plain` ("37+45=", what the tiny base is warm-started on) and `instruct`
+(`ARITHMETIC_INSTRUCTION`, which tells an instruct model the "Answer:" form the reward reads).
+
 The prompt format lives in `format_arithmetic_question` and the response format in `arithmetic_target`,
 so a supervised warm-start script renders exactly what the RL loop trains on.
 """
@@ -15,14 +18,20 @@ SUPPORTED_OPS = ("+", "-", "*")
 ANSWER_PREFIX = "Answer: "
 """The response format the DAPO reward parser reads (the last "Answer:" line)."""
 
-_SPEC_DEFAULTS = {"n": 1000, "seed": 0, "min_digits": 1, "max_digits": 2, "ops": "+-*"}
+_SPEC_DEFAULTS = {"n": 1000, "seed": 0, "min_digits": 1, "max_digits": 2, "ops": "+-*", "style": "plain"}
+STYLES = ("plain", "instruct")
+ARITHMETIC_INSTRUCTION = ('Compute {expression}. End your response with a line of the form "Answer: N", '
+                          "where N is the integer result.")
 
 
-def format_arithmetic_question(a: int, op: str, b: int) -> str:
-    """The user message for `a op b`, e.g. `format_arithmetic_question(12, "+", 7) == "12+7="`."""
+def format_arithmetic_question(a: int, op: str, b: int, style: str = "plain") -> str:
+    """The user message for `a op b`, e.g. `format_arithmetic_question(12, "+", 7) == "12+7="`;
+    style="instruct": `ARITHMETIC_INSTRUCTION` around "12+7"."""
     if op not in SUPPORTED_OPS:
         raise ValueError(f"unsupported op {op!r}; expected one of {SUPPORTED_OPS}")
-    return f"{a}{op}{b}="
+    if style not in STYLES:
+        raise ValueError(f"unsupported style {style!r}; expected one of {STYLES}")
+    return f"{a}{op}{b}=" if style == "plain" else ARITHMETIC_INSTRUCTION.format(expression=f"{a}{op}{b}")
 
 
 def apply_op(a: int, op: str, b: int) -> int:
@@ -59,6 +68,7 @@ def make_arithmetic_prompts(
     min_digits: int = 1,
     max_digits: int = 2,
     ops: tuple[str, ...] | str = SUPPORTED_OPS,
+    style: str = "plain",
 ) -> list[Prompt]:
     """`n` seeded problems `a op b` with non-negative operands of `min_digits..max_digits` digits.
 
@@ -81,7 +91,7 @@ def make_arithmetic_prompts(
         prompts.append(
             Prompt(
                 uid=f"{DATA_SOURCE}/{i}",
-                messages=({"role": "user", "content": format_arithmetic_question(a, op, b)},),
+                messages=({"role": "user", "content": format_arithmetic_question(a, op, b, style)},),
                 ground_truth=str(apply_op(a, op, b)),
                 data_source=DATA_SOURCE,
             )
@@ -92,7 +102,8 @@ def make_arithmetic_prompts(
 def arithmetic_from_query(query: str) -> list[Prompt]:
     """Build prompts from the query part of a spec string, e.g. "n=1000&seed=0&max_digits=2&ops=+-".
 
-    Keys: n (1000), seed (0), min_digits (1), max_digits (2), ops ("+-*", characters; commas ignored).
+    Keys: n (1000), seed (0), min_digits (1), max_digits (2), ops ("+-*", characters; commas ignored),
+    style (plain | instruct).
     Unlike URL decoding, "+" stays a plus sign.
     """
     params: dict[str, int | str] = dict(_SPEC_DEFAULTS)
@@ -102,6 +113,10 @@ def arithmetic_from_query(query: str) -> list[Prompt]:
             raise ValueError(f"bad builtin:arithmetic option {item!r}; keys: {sorted(_SPEC_DEFAULTS)}")
         if key == "ops":
             params[key] = value.replace(",", "")
+        elif key == "style":
+            if value not in STYLES:
+                raise ValueError(f"builtin:arithmetic option style must be one of {STYLES}, got {value!r}")
+            params[key] = value
         else:
             try:
                 params[key] = int(value)
@@ -109,11 +124,12 @@ def arithmetic_from_query(query: str) -> list[Prompt]:
                 raise ValueError(
                     f"builtin:arithmetic option {key} must be an integer, got {value!r}"
                 ) from None
-    ops = str(params.pop("ops"))
+    ops, style = str(params.pop("ops")), str(params.pop("style"))
     return make_arithmetic_prompts(
         int(params["n"]),
         int(params["seed"]),
         min_digits=int(params["min_digits"]),
         max_digits=int(params["max_digits"]),
         ops=tuple(ops),
+        style=style,
     )

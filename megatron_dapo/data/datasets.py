@@ -21,29 +21,29 @@ from typing import Any
 
 from megatron_dapo.data.arithmetic import arithmetic_from_query
 from megatron_dapo.data.steps import steps_from_query
+from megatron_dapo.data.templates import DAPO_MATH_TEMPLATE, PromptFormat
 from megatron_dapo.types import Prompt
 
 logger = logging.getLogger(__name__)
 
-GSM8K_PROMPT_TEMPLATE = (
-    "Solve the following math problem step by step. The last line of your response should be of the "
-    "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
-    "{question}\n\n"
-    'Remember to put your answer on its own line after "Answer:".'
-)
-"""GSM8K question -> user message; the same instruction DAPO-Math-17K prompts carry."""
+GSM8K_PROMPT_TEMPLATE = DAPO_MATH_TEMPLATE
+"""GSM8K question -> user message (data.prompt_template=auto): the instruction DAPO-Math-17K prompts carry."""
 
 BUILTIN_TASKS: dict[str, Callable[[str], list[Prompt]]] = {"arithmetic": arithmetic_from_query,
                                                            "steps": steps_from_query}
 
 # Skip reasons, the keys of `LoadResult.skipped`.
 BAD_JSON = "bad_json"
+BAD_ENCODING = "bad_encoding"
 MALFORMED_ROW = "malformed_row"
 MISSING_ANSWER = "missing_answer"
 NON_INTEGER_ANSWER = "non_integer_answer"
 PROMPT_TOO_LONG = "prompt_too_long"
+PROMPT_TOO_MANY_TOKENS = "prompt_too_many_tokens"
+ANSWER_TOO_LONG = "answer_too_long"
 
 _MAX_EXAMPLES = 5
+_MAX_ANSWER_DIGITS = 100  # no benchmark answer is longer; Python refuses int() past 4300 digits
 # Plain or correctly comma-grouped integers with an optional sign; a zero fraction ("12.0") is allowed.
 _INTEGER_RE = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.0+)?")
 
@@ -97,7 +97,19 @@ def normalize_integer_answer(value: Any) -> str | None:
     text = value.strip()
     if not _INTEGER_RE.fullmatch(text):
         return None
-    return str(int(text.split(".")[0].replace(",", "")))
+    digits = text.split(".")[0].replace(",", "")
+    if len(digits.lstrip("+-")) > _MAX_ANSWER_DIGITS:
+        return None
+    return str(int(digits))
+
+
+def _answer(value: Any) -> str:
+    """The canonical integer answer of a row, or a _Skip saying why there is none."""
+    answer = normalize_integer_answer(value)
+    if answer is None:
+        long = isinstance(value, str) and len(value.strip()) > _MAX_ANSWER_DIGITS and _INTEGER_RE.fullmatch(value.strip())
+        raise _Skip(ANSWER_TOO_LONG if long else NON_INTEGER_ANSWER)
+    return answer
 
 
 def _as_messages(prompt: Any) -> tuple[dict[str, str], ...]:
@@ -128,9 +140,7 @@ def _dapo_prompt(row: dict[str, Any], index: int, default_source: str) -> Prompt
     truth = reward_model.get("ground_truth")
     if truth is None or (isinstance(truth, str) and not truth.strip()):
         raise _Skip(MISSING_ANSWER)
-    answer = normalize_integer_answer(truth)
-    if answer is None:
-        raise _Skip(NON_INTEGER_ANSWER)
+    answer = _answer(truth)
     return Prompt(uid=f"{source}/{index}", messages=messages, ground_truth=answer, data_source=source)
 
 
@@ -140,9 +150,7 @@ def _gsm8k_prompt(row: dict[str, Any], index: int, default_source: str) -> Promp
         raise _Skip(MALFORMED_ROW)
     if "####" not in solution:
         raise _Skip(MISSING_ANSWER)
-    answer = normalize_integer_answer(solution.rsplit("####", 1)[1])
-    if answer is None:
-        raise _Skip(NON_INTEGER_ANSWER)
+    answer = _answer(solution.rsplit("####", 1)[1])
     content = GSM8K_PROMPT_TEMPLATE.format(question=question.strip())
     return Prompt(
         uid=f"gsm8k/{index}",
@@ -153,15 +161,21 @@ def _gsm8k_prompt(row: dict[str, Any], index: int, default_source: str) -> Promp
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    """(0-based line number, parsed row or None for a line that is not JSON); blank lines are skipped."""
-    with path.open(encoding="utf-8") as f:
-        for index, line in enumerate(f):
+    """(0-based line number, parsed row, or BAD_JSON / BAD_ENCODING for a line that is not JSON / not
+    UTF-8); blank lines are skipped."""
+    with path.open("rb") as f:
+        for index, raw in enumerate(f):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield index, BAD_ENCODING
+                continue
             if not line.strip():
                 continue
             try:
                 yield index, json.loads(line)
-            except json.JSONDecodeError:
-                yield index, None
+            except (json.JSONDecodeError, ValueError):  # ValueError: a number past int()'s digit limit
+                yield index, BAD_JSON
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
@@ -189,7 +203,14 @@ def _row_parser(row: dict[str, Any], path: Path) -> Callable[[dict[str, Any], in
     )
 
 
-def _load_file(path: Path, result: LoadResult, max_prompt_chars: int | None, limit: int | None) -> None:
+@dataclass(frozen=True)
+class _Limits:
+    max_chars: int | None = None
+    max_tokens: int | None = None
+    count_tokens: Callable[[Prompt], int] | None = None
+
+
+def _load_file(path: Path, result: LoadResult, limits: _Limits, limit: int | None, fmt: PromptFormat) -> None:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         rows = _iter_parquet(path)
@@ -202,8 +223,8 @@ def _load_file(path: Path, result: LoadResult, max_prompt_chars: int | None, lim
     for index, row in rows:
         if limit is not None and len(result.prompts) >= limit:
             break
-        if row is None:
-            result.add_skip(BAD_JSON, f"line {index + 1}")
+        if row in (BAD_JSON, BAD_ENCODING):
+            result.add_skip(row, f"line {index + 1}")
             continue
         if not isinstance(row, dict):
             result.add_skip(MALFORMED_ROW, f"line {index + 1}")
@@ -215,27 +236,43 @@ def _load_file(path: Path, result: LoadResult, max_prompt_chars: int | None, lim
             source = row.get("data_source") if parse is _dapo_prompt else "gsm8k"
             result.add_skip(skip.reason, f"{source or default_source}/{index}")
             continue
-        _keep(result, prompt, max_prompt_chars)
+        _keep(result, prompt, limits, fmt)
 
 
-def _keep(result: LoadResult, prompt: Prompt, max_prompt_chars: int | None) -> None:
-    if max_prompt_chars is not None and sum(len(m["content"]) for m in prompt.messages) > max_prompt_chars:
+def _keep(result: LoadResult, prompt: Prompt, limits: _Limits, fmt: PromptFormat) -> None:
+    try:
+        prompt = fmt.apply(prompt)
+    except ValueError:  # no user message to put the template on
+        result.add_skip(MALFORMED_ROW, prompt.uid)
+        return
+    if limits.max_chars is not None and sum(len(m["content"]) for m in prompt.messages) > limits.max_chars:
         result.add_skip(PROMPT_TOO_LONG, prompt.uid)
+    elif limits.max_tokens is not None and limits.count_tokens(prompt) > limits.max_tokens:
+        result.add_skip(PROMPT_TOO_MANY_TOKENS, prompt.uid)
     else:
         result.prompts.append(prompt)
 
 
-def load_prompts(path: str, *, max_prompt_chars: int | None = None, limit: int | None = None) -> LoadResult:
+def load_prompts(path: str, *, max_prompt_chars: int | None = None, limit: int | None = None,
+                 max_prompt_tokens: int | None = None, count_tokens: Callable[[Prompt], int] | None = None,
+                 prompt_format: PromptFormat | None = None) -> LoadResult:
     """Load prompts from a dataset file or a `builtin:` spec (see the module docstring).
 
     uids are `<data_source>/<row index>` (jsonl: 0-based line number) and stay stable when rows are
-    skipped. `max_prompt_chars` drops prompts whose message contents are longer in total; `limit`
-    stops after that many prompts are kept. Raises FileNotFoundError / ValueError for a missing file or
-    an unrecognised format; bad rows are counted in `LoadResult.skipped` and logged as one warning.
+    skipped. `prompt_format` (templates.py) rewrites each prompt's messages before the length checks:
+    `max_prompt_chars` drops prompts whose message contents are longer in total; `max_prompt_tokens`
+    those for which `count_tokens(prompt)` (the rendered prompt's length) is larger; `limit` stops after
+    that many prompts are kept. Raises FileNotFoundError / ValueError for a missing file or an
+    unrecognised format; bad rows (not JSON, not UTF-8, malformed, no integer answer, too long) are
+    counted in `LoadResult.skipped` and logged as one warning naming the file and rows.
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
+    if max_prompt_tokens is not None and count_tokens is None:
+        raise ValueError("max_prompt_tokens needs count_tokens (a tokenizer's length of the rendered prompt)")
+    limits = _Limits(max_prompt_chars, max_prompt_tokens, count_tokens)
     result = LoadResult(source=str(path))
+    fmt = prompt_format or PromptFormat()
     if str(path).startswith("builtin:"):
         name, _, query = str(path)[len("builtin:") :].partition("?")
         if name not in BUILTIN_TASKS:
@@ -245,12 +282,12 @@ def load_prompts(path: str, *, max_prompt_chars: int | None = None, limit: int |
         for prompt in BUILTIN_TASKS[name](query):
             if limit is not None and len(result.prompts) >= limit:
                 break
-            _keep(result, prompt, max_prompt_chars)
+            _keep(result, prompt, limits, fmt)
     else:
         file = Path(path)
         if not file.is_file():
             raise FileNotFoundError(f"dataset file not found: {path}")
-        _load_file(file, result, max_prompt_chars, limit)
+        _load_file(file, result, limits, limit, fmt)
     if result.skipped:
         logger.warning(result.summary())
     return result

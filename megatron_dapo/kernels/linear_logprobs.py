@@ -22,14 +22,15 @@ import torch.distributed as dist
 from megatron_dapo.kernels.logprobs import Backend, get_backend, resolve_impl
 from megatron_dapo.kernels.vocab_parallel import RowStats, combine, tp_world_size
 
-LINEAR_CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}
+LINEAR_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 2 << 30}
 """Budget of one [chunk, V_local] logits block (the backend bounds its own fp32 temporaries). Large
-chunks matter: every chunk also reads and writes the whole [V, H] weight gradient."""
+chunks matter: every chunk also reads and writes the whole [V, H] weight gradient. On CPU the budget
+is also the loss's memory floor next to a small model (tools/bench_actor.py --memory)."""
 
 
 def _chunk_rows(weight: torch.Tensor, chunk_bytes: int | None) -> int:
     budget = chunk_bytes or LINEAR_CHUNK_BYTES.get(weight.device.type, LINEAR_CHUNK_BYTES["cuda"])
-    return max(1, budget // (weight.shape[0] * weight.element_size()))
+    return max(1, budget // (max(weight.shape[0], 1) * weight.element_size()))
 
 
 class LinearLogprobsEntropy(torch.autograd.Function):
@@ -105,6 +106,7 @@ def linear_logprobs_and_entropy(
     compute_entropy: bool = True,
     impl: str = "auto",
     chunk_bytes: int | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """token_logprobs_and_entropy(hidden @ weight^T, targets, ...) without materialising the logits.
 
@@ -112,11 +114,13 @@ def linear_logprobs_and_entropy(
         hidden: [..., H] (replicated across `tp_group`); weight: [V_local, H], rows = vocab ids
             [vocab_start, vocab_start + V_local); targets: [...] global ids.
         chunk_bytes: memory budget of one [chunk, V_local] logits block (LINEAR_CHUNK_BYTES by device).
+        temperature: softmax(hidden @ weight^T / temperature), folded into the kernels' loads.
+        Megatron's vocab padding: pass only the valid rows of the weight (a view, e.g. weight[:valid]).
     """
     if hidden.shape[:-1] != targets.shape or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"need hidden [..., H], weight [V, H], targets [...]; got {tuple(hidden.shape)}, "
                          f"{tuple(weight.shape)}, {tuple(targets.shape)}")  # fmt: skip
-    backend = get_backend(resolve_impl(impl, hidden.device))
+    backend = get_backend(resolve_impl(impl, hidden.device), temperature=temperature)
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(-1).to(device=hidden.device, dtype=torch.int64)
     logprob, entropy = LinearLogprobsEntropy.apply(

@@ -69,16 +69,22 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
-def get_backend(impl: str, chunk_bytes: int | None = None) -> Backend:
+def get_backend(impl: str, chunk_bytes: int | None = None, temperature: float = 1.0) -> Backend:
+    """The backend computing on logits / temperature (folded into its loads: no scaled copy)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
     if impl == "triton":
         from megatron_dapo.kernels.logprobs_triton import TritonBackend
 
-        return TritonBackend()
-    return TorchBackend(chunk_bytes)
+        return TritonBackend(scale=1.0 / temperature)
+    return TorchBackend(chunk_bytes, scale=1.0 / temperature)
 
 
 class LogprobsEntropy(torch.autograd.Function):
-    """rows [A, B, V] logits, targets [A*B] global ids -> fp32 (logprob [A*B], entropy [A*B] or None)."""
+    """rows [A, B, V] logits, targets [A*B] global ids -> fp32 (logprob [A*B], entropy [A*B] or None).
+
+    Only the first `valid` columns are the distribution (Megatron pads the vocab); the others get a
+    zero gradient."""
 
     @staticmethod
     def forward(
@@ -90,11 +96,12 @@ class LogprobsEntropy(torch.autograd.Function):
         group: dist.ProcessGroup | None,
         compute_entropy: bool,
         inplace_backward: bool,
+        valid: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        stats = backend.stats(rows, targets, vocab_start, compute_entropy)
+        stats = backend.stats(rows[..., :valid], targets, vocab_start, compute_entropy)
         lse, logprob, entropy = combine(stats, group)
         ctx.save_for_backward(rows, targets, lse, entropy)
-        ctx.backend, ctx.vocab_start, ctx.inplace = backend, vocab_start, inplace_backward
+        ctx.backend, ctx.vocab_start, ctx.inplace, ctx.valid = backend, vocab_start, inplace_backward, valid
         ctx.set_materialize_grads(False)
         return logprob, entropy
 
@@ -104,14 +111,17 @@ class LogprobsEntropy(torch.autograd.Function):
         if g_ent is not None and (entropy is None or not bool(g_ent.any())):
             g_ent = None  # entropy is a monitor only: skip its term (one [N] check, no [N, V] work)
         if g_lp is None and g_ent is None:
-            return (None,) * 7
+            return (None,) * 8
         g_lp = None if g_lp is None else g_lp.reshape(-1).float()
         g_ent = None if g_ent is None else g_ent.reshape(-1).float()
         out = rows if ctx.inplace else torch.empty_like(rows)
-        ctx.backend.grad(rows, targets, ctx.vocab_start, lse, entropy, g_lp, g_ent, out)
+        valid = ctx.valid
+        ctx.backend.grad(rows[..., :valid], targets, ctx.vocab_start, lse, entropy, g_lp, g_ent, out[..., :valid])
+        if valid < out.shape[-1]:
+            out[..., valid:].zero_()
         if ctx.inplace:
             torch.autograd.graph.increment_version(rows)  # a second backward now fails loudly
-        return (out,) + (None,) * 6
+        return (out,) + (None,) * 7
 
 
 def token_logprobs_and_entropy(
@@ -124,6 +134,8 @@ def token_logprobs_and_entropy(
     impl: str = "auto",
     inplace_backward: bool = False,
     chunk_bytes: int | None = None,
+    temperature: float = 1.0,
+    vocab_valid: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 logprob of each target token and entropy of each token's full-vocab distribution.
 
@@ -139,6 +151,10 @@ def token_logprobs_and_entropy(
             allocation). Only for logits used by nothing else after this call (e.g. straight from
             the output layer); a non-leaf is required and retain_graph double backward is refused.
         chunk_bytes: the torch path's temporary-memory budget per chunk of tokens.
+        temperature: the distribution is softmax(logits / temperature); the division happens as the
+            kernels load the logits (no scaled copy), the gradient is w.r.t. the unscaled logits.
+        vocab_valid: only the first vocab_valid columns of this shard are vocabulary (the rest is
+            Megatron's padding: excluded from the softmax, zero gradient). None: all of them.
 
     Both outputs are differentiable w.r.t. logits. When the entropy gets no gradient (or a zero
     one), the backward skips the entropy term.
@@ -151,11 +167,15 @@ def token_logprobs_and_entropy(
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
     if inplace_backward and logits.is_leaf and logits.requires_grad:
         raise ValueError("inplace_backward would overwrite a leaf tensor; pass a non-leaf")
-    backend = get_backend(resolve_impl(impl, logits.device), chunk_bytes)
+    width = logits.shape[-1]
+    valid = width if vocab_valid is None else vocab_valid
+    if not 0 <= valid <= width:
+        raise ValueError(f"vocab_valid={vocab_valid} must be in [0, {width}] (the logits' last dim)")
+    backend = get_backend(resolve_impl(impl, logits.device), chunk_bytes, temperature)
     rows = as_rows(logits)
     flat_targets = targets.reshape(-1).to(device=logits.device, dtype=torch.int64)
     logprob, entropy = LogprobsEntropy.apply(
-        rows, flat_targets, backend, vocab_start, tp_group, compute_entropy, inplace_backward
+        rows, flat_targets, backend, vocab_start, tp_group, compute_entropy, inplace_backward, valid
     )
     logprob = logprob.view(targets.shape)
     return logprob, None if entropy is None else entropy.view(targets.shape)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_dapo.kernels.layout import row_chunks
-from megatron_dapo.kernels.vocab_parallel import EMPTY_MAX, RowStats
+from megatron_dapo.kernels.vocab_parallel import EMPTY_MAX, RowStats, empty_shard_stats
 
 CPU_CHUNK_BYTES = 32 << 20
 """CPU budget for the per-chunk fp32 temporaries (two [chunk, V] tensors alive at once). Chunks that
@@ -35,13 +35,14 @@ def local_targets(targets: torch.Tensor, vocab_start: int, vocab: int) -> tuple[
     return local.clamp(0, vocab - 1), inside
 
 
-def _load_fp32(view: torch.Tensor) -> torch.Tensor:
-    """The chunk view as fp32 [n, V]: a view when it already is fp32 and row-contiguous, else one copy."""
-    flat = view.reshape(-1, view.shape[-1]) if view.dtype == torch.float32 else None
+def _load_fp32(view: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """The chunk view times `scale` as fp32 [n, V]: a view when it already is fp32, row-contiguous and
+    unscaled, else one chunk-sized copy (the scaling, an inverse temperature, happens in that copy)."""
+    flat = view.reshape(-1, view.shape[-1]) if view.dtype == torch.float32 and scale == 1.0 else None
     if flat is not None and flat.stride(-1) == 1:
         return flat
-    out = torch.empty(view.shape, dtype=torch.float32, device=view.device)
-    return out.copy_(view).view(-1, view.shape[-1])
+    out = torch.empty(view.shape, dtype=torch.float32, device=view.device).copy_(view)
+    return (out.mul_(scale) if scale != 1.0 else out).view(-1, view.shape[-1])
 
 
 def chunk_stats(z: torch.Tensor, index: torch.Tensor, inside: torch.Tensor, entropy: bool) -> RowStats:
@@ -91,6 +92,8 @@ class TorchBackend:
 
     chunk_bytes: int | None = None
     """None: default_chunk_bytes of the logits' device."""
+    scale: float = 1.0
+    """Multiplies the logits before the softmax (1 / temperature), chunk by chunk: no scaled copy."""
 
     def chunk_rows(self, rows: torch.Tensor) -> int:
         budget = self.chunk_bytes or default_chunk_bytes(rows.device)
@@ -98,8 +101,10 @@ class TorchBackend:
 
     def stats(self, rows: torch.Tensor, targets: torch.Tensor, vocab_start: int, entropy: bool) -> RowStats:
         vocab = rows.shape[-1]
+        if vocab == 0:
+            return empty_shard_stats(targets.shape[0], rows.device, entropy)
         parts = [
-            chunk_stats(_load_fp32(view), *local_targets(targets[r0:r1], vocab_start, vocab), entropy)
+            chunk_stats(_load_fp32(view, self.scale), *local_targets(targets[r0:r1], vocab_start, vocab), entropy)
             for r0, r1, view in row_chunks(rows, self.chunk_rows(rows))
         ]
         m, s, w, zt = (None if f[0] is None else torch.cat(f) for f in zip(*parts))
@@ -118,15 +123,19 @@ class TorchBackend:
     ) -> None:
         """Write the logits gradient into `out` (same shape as `rows`; may be `rows` itself)."""
         vocab = rows.shape[-1]
+        if vocab == 0:
+            return
         out_chunks = row_chunks(out, self.chunk_rows(rows))
         for (r0, r1, view), (_, _, out_view) in zip(row_chunks(rows, self.chunk_rows(rows)), out_chunks):
             sl = slice(r0, r1)
             grad = chunk_grad(
-                _load_fp32(view),
+                _load_fp32(view, self.scale),
                 *local_targets(targets[sl], vocab_start, vocab),
                 lse[sl],
                 None if entropy is None else entropy[sl],
                 None if g_lp is None else g_lp[sl],
                 None if g_ent is None else g_ent[sl],
             )
+            if self.scale != 1.0:
+                grad.mul_(self.scale)  # d/dz of f(scale * z)
             out_view.copy_(grad.view(out_view.shape))

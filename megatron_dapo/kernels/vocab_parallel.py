@@ -11,7 +11,9 @@ Over the full vocab with global max M and a_r = exp(m_r - M):
     lse = M + log S,     entropy = log S - W / S,     logprob = z_target - lse
 
 so the ranks exchange one MAX all-reduce of [N] and one SUM all-reduce of [3, N]; no [N, V] gather.
-The target logit is summed too: exactly one rank holds it, the others contribute 0.
+The target logit is summed too: exactly one rank holds it, the others contribute 0. A shard without
+columns (Megatron pads a small vocabulary so that a TP rank may hold padding only) has m = EMPTY_MAX
+and S = W = 0: a_r = 0, it adds nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ class RowStats(NamedTuple):
     sum_exp: torch.Tensor
     ent_term: torch.Tensor | None
     target_logit: torch.Tensor
+
+
+def empty_shard_stats(n: int, device: torch.device, entropy: bool) -> RowStats:
+    """The statistics of a zero-width shard for n tokens."""
+    zeros = torch.zeros(n, dtype=torch.float32, device=device)
+    ent_term = zeros.clone() if entropy else None
+    return RowStats(torch.full_like(zeros, EMPTY_MAX), zeros, ent_term, zeros.clone())
 
 
 def tp_world_size(group: dist.ProcessGroup | None) -> int:

@@ -1,24 +1,40 @@
-"""Getting the driver's rollout to the ranks that train on it: each data-parallel rank trains its rows."""
+"""Getting the driver's rollout to the ranks that train on it: each data-parallel rank receives only its
+rows, as tensors, and shares them with the tensor/pipeline peers of its replica.
+
+The driver (global rank 0) trims the kept groups to whole mini-batches, builds the train batch (the
+advantages need whole groups) and splits its rows into DP contiguous, equal shares. A small header
+goes to every rank (groups trained, samples generated, the shares' shape); then share d goes point
+to point to the first rank of DP replica d, which broadcasts it inside its model-parallel group.
+Every share has the batch's width, so each rank receives total / DP bytes (plus the header).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from megatron_dapo import parallel
 from megatron_dapo.actor.batching import split_rows
 from megatron_dapo.algo.train_batch import build_train_batch
+from megatron_dapo.loop.collect import StepRollout
 from megatron_dapo.types import Group, TrainBatch
 
 
-def share(obj: Any) -> Any:
-    """The driver's object on every rank (a collective; identity in a one-process run)."""
-    if parallel.world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+@dataclass
+class StepRows:
+    """What one rank gets of the step's rollout."""
+
+    batch: TrainBatch | None
+    """This DP rank's rows (None when the step trains nothing)."""
+    groups_trained: int
+    samples_generated: int
+    """Samples the driver generated this step (for the rollout budget, which every rank checks)."""
+    bytes_total: int = 0
+    """Bytes of the step's training rows, all shares (driver only; 0 elsewhere)."""
+    bytes_received: int = 0
+    """Bytes this rank received (header + its share; 0 on the driver)."""
 
 
 def trainable(groups: list[Group], num_mini_batches: int) -> list[Group]:
@@ -27,7 +43,84 @@ def trainable(groups: list[Group], num_mini_batches: int) -> list[Group]:
     return groups[: len(groups) // unit * unit]
 
 
-def local_batch(groups: list[Group], *, overlong_filtering: bool, pad_id: int) -> TrainBatch:
-    """Advantages over the groups, then this data-parallel rank's contiguous share of the rows."""
-    batch = build_train_batch(groups, overlong_filtering=overlong_filtering, pad_id=pad_id)
-    return split_rows(batch, parallel.dp_size())[parallel.dp_rank()]
+def pack(batch: TrainBatch) -> list[torch.Tensor]:
+    """The rows as four tensors: token ids (int32), [3, B, S] fp32 (loss mask, rollout logprobs,
+    response mask), advantages [B] fp32, [2, B] int64 (lengths, prompt index)."""
+    return [batch.input_ids.to(torch.int32),
+            torch.stack([batch.loss_mask, batch.rollout_logprobs, batch.response_mask]).float(),
+            batch.advantages.float(), torch.stack([batch.lengths, batch.prompt_index]).long()]
+
+
+def unpack(parts: list[torch.Tensor]) -> TrainBatch:
+    ids, floats, adv, ints = parts
+    return TrainBatch(input_ids=ids.long(), loss_mask=floats[0], rollout_logprobs=floats[1],
+                      response_mask=floats[2], advantages=adv, lengths=ints[0], prompt_index=ints[1])
+
+
+def empty_parts(rows: int, width: int) -> list[torch.Tensor]:
+    return [torch.empty(rows, width, dtype=torch.int32), torch.empty(3, rows, width),
+            torch.empty(rows), torch.empty(2, rows, dtype=torch.long)]
+
+
+def nbytes(parts: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in parts)
+
+
+def step_rows(rollout: StepRollout | None, *, num_mini_batches: int, overlong_filtering: bool,
+              pad_id: int) -> StepRows:
+    """Collective over all ranks; `rollout` on the driver only. Returns this rank's rows."""
+    shares: list[list[torch.Tensor]] = []
+    if rollout is not None:
+        groups = trainable(rollout.groups, num_mini_batches)
+        samples = sum(len(g.samples) for g in rollout.generated)
+        if groups:
+            batch = build_train_batch(groups, overlong_filtering=overlong_filtering, pad_id=pad_id)
+            shares = [pack(s) for s in split_rows(batch, parallel.dp_size())]
+        header = torch.tensor([len(groups), samples, *(shares[0][0].shape if shares else (0, 0))])
+    else:
+        header = torch.zeros(4, dtype=torch.long)
+    if parallel.world_size() == 1:
+        return StepRows(unpack(shares[0]) if shares else None, int(header[0]), int(header[1]),
+                        bytes_total=sum(map(nbytes, shares)))
+    dist.broadcast(header, src=0)
+    received = 0 if parallel.is_main() else header.numel() * header.element_size()
+    groups_trained, samples, rows, width = header.tolist()
+    if not groups_trained:
+        return StepRows(None, 0, samples, bytes_received=received)
+    mine = _deliver(shares, rows, width)
+    received += 0 if parallel.is_main() else nbytes(mine)
+    return StepRows(unpack(mine), groups_trained, samples, bytes_total=sum(map(nbytes, shares)),
+                    bytes_received=received)
+
+
+def _deliver(shares: list[list[torch.Tensor]], rows: int, width: int) -> list[torch.Tensor]:
+    """The driver sends share d to the first rank of DP replica d; that rank broadcasts it to its
+    model-parallel peers. Returns this rank's share."""
+    me = parallel.global_rank()
+    mp_ranks = dist.get_process_group_ranks(parallel.mp_group())
+    leaders = [torch.zeros(2, dtype=torch.long) for _ in range(parallel.world_size())]
+    dist.all_gather(leaders, torch.tensor([parallel.dp_rank(), min(mp_ranks)]))  # (dp rank, its first rank)
+    if me == 0:
+        first = {int(d): int(r) for d, r in (t.tolist() for t in leaders)}
+        for d, share in enumerate(shares[1:], start=1):
+            for t in share:
+                dist.send(t.contiguous(), dst=first[d])
+        parts = shares[0]
+    else:
+        parts = empty_parts(rows, width)
+        if me == min(mp_ranks):
+            for t in parts:
+                dist.recv(t, src=0)
+    if len(mp_ranks) > 1:
+        for t in parts:
+            dist.broadcast(t, src=min(mp_ranks), group=parallel.mp_group())
+    return parts
+
+
+def max_received(step: StepRows) -> int:
+    """The most bytes any rank received for this step (a collective)."""
+    if parallel.world_size() == 1:
+        return 0
+    t = torch.tensor([step.bytes_received], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)

@@ -12,19 +12,33 @@ import torch
 
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
-from megatron_dapo.actor.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_dapo.actor.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from megatron_dapo.actor.model import UnsupportedModelError, param_dtype
+from megatron_dapo.cli import preflight_error
 from megatron_dapo.config import Config, to_dict
-from megatron_dapo.data import PromptIterator, load_prompts
+from megatron_dapo.config.model_checks import read_model_config
+from megatron_dapo.config.sizing import resolve_micro_batches
+from megatron_dapo.data import PromptFormat, PromptIterator
+from megatron_dapo.data.render import default_system_prompt, use_chat_template
+from megatron_dapo.hf_files import HFCheckpointError
+from megatron_dapo.loop import run_dir
+from megatron_dapo.loop.evaluation import sample_records
 from megatron_dapo.loop.phases import Phases
+from megatron_dapo.loop.preflight import SetupError, check_model, checkpoint_bytes
+from megatron_dapo.loop.prompts import load_train_prompts, load_val_prompts
+from megatron_dapo.loop.startup import StartupReport, system_prompt_note
 from megatron_dapo.metrics import Alarms, MetricsWriter, PhaseTimer
+from megatron_dapo.reward import RewardLoadError, Scorer
 from megatron_dapo.rollout.base import RolloutEngine
-from megatron_dapo.types import Prompt
+from megatron_dapo.types import Group, Prompt
 
 log = logging.getLogger(__name__)
 
 
-class SetupError(RuntimeError):
-    """A run cannot start (missing model, empty dataset): reported without a traceback."""
+__all__ = ["RunState", "SetupError", "build_run", "config_changes", "load_train_prompts", "load_val_prompts"]
+# Settings a resumed run may change without being "a different run".
+_MAY_CHANGE = ("checkpoint.", "train.steps", "model.load", "logging.tensorboard_dir", "logging.run_name",
+               "rollout.sglang.base_port", "rollout.sglang.startup_timeout_s", "rollout.sglang.request_timeout_s")
 
 
 @dataclass
@@ -41,10 +55,15 @@ class RunState:
     alarms: Alarms
     ckpt_root: Path
     hf_dir: str
+    scorer: Scorer
+    """reward.name's verifier + the overlong term, built once (the driver scores)."""
     start_step: int = 0
     samples_generated: int = 0
     servers: list[Any] = field(default_factory=list)
     """SGLang: servers this rank started for rank 0 to drive (a node leader's); finish() stops them."""
+    lock: run_dir.RunLock | None = None
+    """The run folder's lock (rank 0); released by close()."""
+    last_saved: int | None = None
     timer: PhaseTimer = field(default_factory=PhaseTimer)
 
     @property
@@ -73,6 +92,18 @@ class RunState:
         every = self.cfg.eval.every_steps
         return bool(self.val_prompts) and every > 0 and (step % every == 0 or step == self.cfg.train.steps)
 
+    def wants_samples(self, step: int) -> bool:
+        every = self.cfg.logging.samples_every
+        return every > 0 and step % every == 0
+
+    def write_samples(self, step: int, split: str, groups: list[Group]) -> None:
+        """Driver: a few responses of `groups` to samples/step_<k>.jsonl and TensorBoard text (val: at
+        every evaluation; train: every logging.samples_every steps)."""
+        if not self.is_driver or (split == "train" and not self.wants_samples(step)):
+            return
+        records = sample_records(groups, self.tokenizer, self.cfg.logging.samples_per_step, step, split)
+        self.writer.write_samples(step, split, records)
+
     def wants_checkpoint(self, step: int) -> bool:
         every = self.cfg.checkpoint.save_every
         return (every > 0 and step % every == 0) or step == self.cfg.train.steps
@@ -82,78 +113,146 @@ class RunState:
     def save(self, step: int) -> None:
         state = {"data": self.prompts.state_dict() if self.prompts else None, "alarms": self.alarms.state_dict(),
                  "samples_generated": self.samples_generated, "config": to_dict(self.cfg)}
+        self.phases.train()  # the actor's state on its device (it may sleep through the rollout)
         save_checkpoint(self.actor, self.ckpt_root, step, trainer_state=state, keep_last=self.cfg.checkpoint.keep_last,
                         hf_dir=self.hf_dir)
+        self.last_saved = step
 
-    def resume(self) -> None:
-        """Continue from checkpoint.resume (auto: the newest complete checkpoint of this run, if any)."""
-        resume = self.cfg.checkpoint.resume
-        path = latest_checkpoint(self.ckpt_root) if resume == "auto" else None if resume == "none" else Path(resume)
+    def resume(self, path: Path | None) -> None:
+        """Continue from the checkpoint run_dir.claim chose (None: start from scratch)."""
         if path is None:
             return
-        extra = load_checkpoint(self.actor, path)
+        extra = load_checkpoint(self.actor, path, verify=False)  # claim() verified it
         trainer = extra.get("trainer", {})
         if self.prompts is not None and trainer.get("data"):
             self.prompts.load_state_dict(trainer["data"])
         self.alarms.load_state_dict(trainer.get("alarms", {}))
         self.samples_generated = int(trainer.get("samples_generated", 0))
-        self.start_step = int(extra["step"])
+        self.start_step = self.last_saved = int(extra["step"])
         self.writer.load_history(self.start_step)
         if self.is_driver:
             log.info("resumed from %s (step %d)", path, self.start_step)
+            changes = config_changes(trainer.get("config") or {}, to_dict(self.cfg))
+            if changes:
+                log.warning("!!! RESUMING A RUN WITH A DIFFERENT CONFIG: %s was written with %s. If this is "
+                            "another experiment, give it its own logging.run_name.", path, "; ".join(changes))
 
     def finish(self) -> None:
         if self.cfg.checkpoint.export_hf:
             from megatron_dapo.actor.hf_io import save_hf_checkpoint
 
+            self.phases.train()
             out = save_hf_checkpoint(self.actor.module, self.actor.spec, self.ckpt_root / "hf_final", self.hf_dir)
             if self.is_driver:
                 log.info("exported the final policy in Hugging Face format to %s", out)
         png = self.writer.summary_png()
         if png is not None:
             log.info("dynamics summary: %s", png)
+        self.close()
+
+    def close(self) -> None:
+        """Stop what the run started and release its folder (also after an error or a signal)."""
         self.writer.close()
         if self.engine is not None:
             self.engine.shutdown()
         for server in self.servers:
             server.shutdown()
+        if self.lock is not None:
+            self.lock.release()
+
+
+def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """`key: saved -> now` for every setting that differs, except those a resumed run may change."""
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        dotted, a, b = f"{prefix}{key}", saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, dotted + ".")
+        elif a != b and not dotted.startswith(_MAY_CHANGE):
+            out.append(f"{dotted}: {a!r} -> {b!r}")
+    return out
 
 
 def build_run(cfg: Config) -> RunState:
-    """Initialise processes, actor, engine, data and metrics; resume if a checkpoint is found."""
-    from transformers import AutoTokenizer
-
+    """Check the user's inputs (reward, prompts, model folder); initialise processes; lock the run folder and
+    choose the checkpoint to resume; build actor, engine, data and metrics; resume."""
+    try:  # user inputs that load quickly fail before any process group or model exists
+        scorer = Scorer(cfg.reward, cfg.rollout.max_response_len)
+        prompt_format = PromptFormat.from_files(cfg.data.prompt_template, cfg.data.system_prompt,
+                                                cfg.data.few_shot_path)
+    except (RewardLoadError, ValueError, OSError) as e:
+        raise SetupError(str(e)) from e
     parallel.initialize(cfg.parallel, seed=cfg.train.seed)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
     hf_dir = cfg.model.hf_dir
-    if not hf_dir or not (Path(hf_dir) / "config.json").is_file():
-        raise SetupError(f"model.hf_dir={hf_dir!r} has no config.json (for the tiny CPU run, build it with "
-                         "`python tools/make_tiny_base.py --out checkpoints/tiny_base`)")
-    actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature)
-    if cfg.model.load:
-        load_checkpoint(actor, cfg.model.load, load_optimizer=False, load_rng=False)
-    driver = parallel.is_main()
-    servers = _start_sglang(cfg, hf_dir) if cfg.rollout.engine == "sglang" else None
-    engine = servers.engine if servers is not None else _embedded_engine(hf_dir) if driver else None
-    run = RunState(
-        cfg=cfg, actor=actor, tokenizer=AutoTokenizer.from_pretrained(hf_dir), engine=engine,
-        phases=Phases(actor, engine, cfg.rollout.colocate),
-        prompts=_train_prompts(cfg) if driver else None,
-        val_prompts=_val_prompts(cfg) if driver else [],
-        writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver),
-        alarms=Alarms(cfg.logging, cfg.rollout.max_response_len),
-        ckpt_root=Path(cfg.checkpoint.dir) / cfg.logging.run_name, hf_dir=hf_dir,
-        servers=servers.owned if servers is not None else [])
-    run.resume()
+    try:
+        tokenizer = check_model(hf_dir)
+    except SetupError as e:
+        raise preflight_error(e) from None
+    cfg.actor = resolve_micro_batches(cfg.actor, int(read_model_config(hf_dir)["vocab_size"]),
+                                      cfg.parallel.tensor_parallel, on_gpu=torch.cuda.is_available())
+    report = StartupReport(cfg)
+    report.chat_template = use_chat_template(tokenizer, cfg.model.chat_template)
+    report.system_prompt, warn = system_prompt_note(cfg.data.system_prompt, default_system_prompt(tokenizer))
+    folder = Path(cfg.checkpoint.dir) / cfg.logging.run_name
+    lock = run_dir.open_folder(folder, checkpoint_bytes(hf_dir, bf16=param_dtype(cfg.model) == torch.bfloat16))
+    try:
+        start, notes = run_dir.claim(folder, cfg.checkpoint.resume, cfg.checkpoint.overwrite)
+        for note in notes if parallel.is_main() else []:
+            log.warning(note)
+        run = _build(cfg, tokenizer, folder, lock, scorer, prompt_format, report)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    run.resume(start)
     if run.start_step > 0 or cfg.model.load:
         run.phases.sync()  # the engine started from hf_dir; give it the trained weights
+    if run.is_driver:
+        report.resumed_from = f"step {run.start_step}" if run.start_step else None
+        log.info("start-up summary:\n  " + "\n  ".join(report.lines()))
+        if warn:
+            log.warning("the chat template adds a system prompt the config did not ask for: %s", report.system_prompt)
     return run
+
+
+def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | None, scorer: Scorer,
+           fmt: PromptFormat, report: StartupReport) -> RunState:
+    hf_dir = cfg.model.hf_dir
+    try:
+        actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature)
+    except (UnsupportedModelError, HFCheckpointError) as e:
+        raise SetupError(f"model.hf_dir={hf_dir}: {e}") from None
+    if cfg.model.load:
+        try:
+            load_checkpoint(actor, cfg.model.load, load_optimizer=False, load_rng=False)
+        except CheckpointError as e:
+            raise preflight_error(SetupError(f"model.load: {e}")) from None
+    driver = parallel.is_main()
+    servers = _start_sglang(cfg, hf_dir) if cfg.rollout.engine == "sglang" else None
+    offloads = cfg.rollout.colocate and cfg.actor.offload_when_idle
+    engine = servers.engine if servers is not None else _embedded_engine(actor, hf_dir, report, offloads) if driver else None
+    if servers is not None:
+        report.engine = f"sglang ({len(servers.owned)} server(s) started by this rank)"
+    return RunState(
+        cfg=cfg, actor=actor, tokenizer=tokenizer, engine=engine,
+        phases=Phases(actor, engine, cfg.rollout.colocate, cfg.actor.offload_when_idle),
+        prompts=_train_iterator(cfg, tokenizer, fmt, report) if driver else None,
+        val_prompts=load_val_prompts(cfg, tokenizer, fmt, report) if driver else [],
+        writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver),
+        alarms=Alarms(cfg.logging, cfg.rollout.max_response_len),
+        ckpt_root=folder, hf_dir=hf_dir, scorer=scorer, servers=servers.owned if servers is not None else [],
+        lock=lock)
+
+
+def _train_iterator(cfg: Config, tokenizer: Any, fmt: PromptFormat, report: StartupReport) -> PromptIterator:
+    return PromptIterator(load_train_prompts(cfg, tokenizer, fmt, report).prompts, batch_size=1,
+                          seed=cfg.train.seed, shuffle=cfg.data.shuffle)
 
 
 def _start_sglang(cfg: Config, hf_dir: str):
     """Every rank: node leaders start SGLang servers; global rank 0 gets the engine over all of them."""
-    from megatron_dapo.actor.model import param_dtype
     from megatron_dapo.rollout.sglang.fleet import start_job_servers
 
     # the actor's dtype, not SGLang's "auto" (which serves a float32 checkpoint in float16)
@@ -162,30 +261,20 @@ def _start_sglang(cfg: Config, hf_dir: str):
                              dtype=dtype)
 
 
-def _embedded_engine(hf_dir: str) -> RolloutEngine:
+def _embedded_engine(actor: Actor, hf_dir: str, report: StartupReport, offloads_weights: bool) -> RolloutEngine:
+    """On the actor's own weights when they can be shared (shared_weights.py) and stay in place while the
+    engine generates, else from hf_dir."""
+    from megatron_dapo.loop.shared_weights import can_share, model_on_actor_weights
     from megatron_dapo.rollout.embedded import EmbeddedEngine
 
-    return EmbeddedEngine(hf_dir)
-
-
-def _load(path: str, **kw: Any):
-    try:
-        return load_prompts(path, **kw)
-    except (FileNotFoundError, ValueError) as e:
-        raise SetupError(str(e)) from e
-
-
-def _train_prompts(cfg: Config) -> PromptIterator:
-    loaded = _load(cfg.data.train_path, max_prompt_chars=cfg.data.max_prompt_chars)
-    log.info("training prompts: %s", loaded.summary())
-    if not loaded.prompts:
-        raise SetupError(f"data.train_path={cfg.data.train_path!r}: no usable prompt ({loaded.summary()})")
-    return PromptIterator(loaded.prompts, batch_size=1, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
-
-
-def _val_prompts(cfg: Config) -> list[Prompt]:
-    if not cfg.data.val_path:
-        return []
-    loaded = _load(cfg.data.val_path, max_prompt_chars=cfg.data.max_prompt_chars, limit=cfg.eval.max_prompts)
-    log.info("validation prompts: %s", loaded.summary())
-    return loaded.prompts
+    if not can_share(actor):
+        report.engine = f"embedded, its own float32 copy of the weights (from {hf_dir})"
+        return EmbeddedEngine(hf_dir)
+    if offloads_weights:  # the actor's weights leave memory while the engine generates: no aliasing
+        report.engine = (f"embedded, its own float32 copy of the weights (from {hf_dir}; the actor offloads "
+                         "while it generates: actor.offload_when_idle=false shares the actor's weights)")
+        return EmbeddedEngine(hf_dir)
+    model, shared = model_on_actor_weights(actor, hf_dir)
+    total = sum(p.numel() for p in model.parameters())
+    report.engine = f"embedded, on the actor's weights ({shared / 1e6:.2f}M of {total / 1e6:.2f}M parameters shared)"
+    return EmbeddedEngine(model, borrowed=actor.module.parameters())

@@ -7,10 +7,12 @@ import math
 from typing import TYPE_CHECKING
 
 from megatron_dapo.config import Config, ConfigError, data_parallel_size, validate
-from megatron_dapo.plan.core import (Hardware, IdleActor, Layout, ModelSummary, Plan, RolloutPhase,
+from megatron_dapo.config.sizing import resolve_micro_batches
+from megatron_dapo.loop.phase_model import phase_model
+from megatron_dapo.plan.core import (Hardware, IdleActor, Layout, ModelSummary, PhaseMemory, Plan, RolloutPhase,
                                      SGLangPool, StageMemory, TokenBudget, TrainPhase, fmt_gib)
-from megatron_dapo.plan.memory import (actor_bytes, kv_bytes_per_token, params_dtype, stage_activations,
-                                       stage_params, total_params)
+from megatron_dapo.plan.memory import (activated_params, actor_bytes, kv_bytes_per_token, params_dtype,
+                                       stage_activations, stage_expert_params, stage_params, total_params)
 
 if TYPE_CHECKING:
     from megatron_dapo.actor.model import ModelSpec
@@ -21,22 +23,41 @@ def make_plan(cfg: Config, spec: ModelSpec, hw: Hardware, *, model_source: str =
     layout = _layout(cfg, spec, hw)
     train = _train_phase(cfg, spec, hw, layout.dp)
     rollout = _rollout_phase(cfg, spec, hw, train.worst, rollout_concurrency)
+    phases = phase_memory(cfg, hw, train.worst, rollout)
     problems = [*_config_problems(cfg, spec, hw), *_train_problems(cfg, train.worst, hw),
-                *_rollout_problems(cfg, spec, hw, rollout)]
+                *_rollout_problems(cfg, spec, hw, rollout), *_phase_problems(cfg, hw, phases)]
     warnings = [*_tp_warnings(cfg, hw), *_rollout_warnings(cfg)]
-    model = ModelSummary(source=model_source, params=total_params(spec), layers=spec.num_layers,
-                         hidden=spec.hidden_size, ffn=spec.ffn_hidden_size, heads=spec.num_heads,
+    moe = spec.moe
+    model = ModelSummary(source=model_source, params=total_params(spec), activated_params=activated_params(spec),
+                         layers=spec.num_layers, hidden=spec.hidden_size,
+                         ffn=spec.ffn_hidden_size if moe is None else moe.ffn_hidden_size, heads=spec.num_heads,
                          kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, vocab=spec.vocab_size,
-                         vocab_padded=spec.padded_vocab_size(layout.tp), tied_embeddings=spec.tied_embeddings)
+                         vocab_padded=spec.padded_vocab_size(layout.tp), tied_embeddings=spec.tied_embeddings,
+                         experts=moe.num_experts if moe else 0, experts_per_token=moe.top_k if moe else 0)
     return Plan(config=config_name, hardware=hw, model=model, layout=layout, train=train, rollout=rollout,
-                tokens=_tokens(cfg, layout.dp), problems=tuple(problems), warnings=tuple(warnings))
+                tokens=_tokens(cfg, layout.dp, resolve_micro_batches(cfg.actor, spec.vocab_size, layout.tp,
+                                                                     on_gpu=True).micro_batch_tokens),
+                phases=phases, problems=tuple(problems), warnings=tuple(warnings))
+
+
+def phase_memory(cfg: Config, hw: Hardware, worst: StageMemory, rollout: RolloutPhase) -> tuple[PhaseMemory, ...]:
+    """Every phase of the phase model (loop/phase_model.py, what the trainer follows) on one GPU of the
+    worst stage: the components the model puts on the device, sized. The engine is sized for colocated
+    SGLang only (the embedded engine is the CPU test bed; a separate fleet is not on these GPUs)."""
+    model = phase_model(colocate=cfg.rollout.colocate, offload_when_idle=cfg.actor.offload_when_idle)
+    actor = worst.components
+    engine = rollout.sglang.components if rollout.sglang is not None and rollout.colocate else {}
+    return tuple(PhaseMemory(name=p.name, reserve=hw.reserve_bytes,
+                             actor={c: actor[c] for c in p.actor + p.actor_transient},
+                             engine={c: engine[c] for c in p.engine if c in engine})
+                 for p in model.values())
 
 
 def _layout(cfg: Config, spec: ModelSpec, hw: Hardware) -> Layout:
     par, world = cfg.parallel, hw.world_size
     tp, pp = par.tensor_parallel, par.pipeline_parallel
     divides = not (spec.num_layers % pp or world % (tp * pp))
-    return Layout(world_size=world, tp=tp, pp=pp,
+    return Layout(world_size=world, tp=tp, pp=pp, ep=par.expert_parallel,
                   dp=data_parallel_size(cfg, world) if divides else max(world // (tp * pp), 1),
                   sequence_parallel=par.sequence_parallel, recompute=cfg.model.recompute,
                   distributed_optimizer=cfg.actor.optimizer.distributed_optimizer, dtype=params_dtype(cfg),
@@ -51,11 +72,14 @@ def _config_problems(cfg: Config, spec: ModelSpec, hw: Hardware) -> list[str]:
         validate(cfg, hw.world_size)
     except ConfigError as e:
         problems += [line.strip().removeprefix("- ") for line in str(e).splitlines()[1:]]
-    tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
+    tp, pp, ep = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.expert_parallel
     try:
-        validate_layout(spec, tp, pp)
+        validate_layout(spec, tp, pp, ep)
     except UnsupportedModelError as e:
-        problems.append(f"model does not split at TP={tp}, PP={pp}: {e}")
+        problems.append(f"model does not split at TP={tp}, PP={pp}, EP={ep}: {e}")
+    if spec.moe is not None and tp > 1 and not cfg.parallel.sequence_parallel:
+        problems.append(f"a MoE model trains at tensor_parallel={tp} only with parallel.sequence_parallel=true "
+                        f"(megatron-core refuses MoE + TP without it); or use expert_parallel instead of TP")
     return problems
 
 
@@ -74,13 +98,17 @@ def _tp_warnings(cfg: Config, hw: Hardware) -> list[str]:
 
 def _train_phase(cfg: Config, spec: ModelSpec, hw: Hardware, dp: int) -> TrainPhase:
     per_param, par = actor_bytes(cfg), cfg.parallel
+    tp, pp, ep = par.tensor_parallel, par.pipeline_parallel, par.expert_parallel
     shards = dp if cfg.actor.optimizer.distributed_optimizer else 1
+    experts = stage_expert_params(spec, tp, pp, ep)  # sharded over the expert-data-parallel ranks
+    expert_shards = max(shards // ep, 1)
     stages = []
-    for i, params in enumerate(stage_params(spec, par.tensor_parallel, par.pipeline_parallel)):
+    for i, params in enumerate(stage_params(spec, tp, pp, ep)):
         act = stage_activations(spec, cfg, i)
+        optimizer = per_param.optimizer * ((params - experts) / shards + experts / expert_shards)
         stages.append(StageMemory(
             stage=i, params=params, weights=per_param.weights * params,
-            main_grads=per_param.main_grads * params, optimizer=per_param.optimizer * params / shards,
+            main_grads=per_param.main_grads * params, optimizer=optimizer,
             activations_train=act.train, activations_logprob=act.logprob, train_tokens=act.train_tokens,
             logprob_tokens=act.logprob_tokens, reserve=hw.reserve_bytes))
     return TrainPhase(stages=tuple(stages))
@@ -142,8 +170,10 @@ def _rollout_phase(cfg: Config, spec: ModelSpec, hw: Hardware, worst: StageMemor
     pool = _sglang_pool(cfg, spec, hw, concurrency)
     if not r.colocate:
         return RolloutPhase(engine=r.engine, colocate=r.colocate, sglang=pool)
-    offload = cfg.actor.offload_when_idle
-    actor = IdleActor(resident=0.0 if offload else worst.state, offloaded=offload,
+    idle = phase_model(colocate=True, offload_when_idle=cfg.actor.offload_when_idle)["generate"].actor
+    resident = sum(worst.components[c] for c in idle)
+    offload = not idle
+    actor = IdleActor(resident=resident, offloaded=offload,
                       host_offload_per_node=worst.state * hw.gpus_per_node if offload else 0.0)
     return RolloutPhase(engine=r.engine, colocate=r.colocate, sglang=pool, actor=actor,
                         reserve=hw.reserve_bytes)
@@ -152,8 +182,7 @@ def _rollout_phase(cfg: Config, spec: ModelSpec, hw: Hardware, worst: StageMemor
 def _rollout_problems(cfg: Config, spec: ModelSpec, hw: Hardware, rollout: RolloutPhase) -> list[str]:
     if rollout.sglang is None:
         return []
-    return [*_sglang_layout_problems(cfg, spec, hw), *_kv_pool_problems(cfg, hw, rollout.sglang),
-            *_rollout_memory_problems(cfg, hw, rollout)]
+    return [*_sglang_layout_problems(cfg, spec, hw), *_kv_pool_problems(cfg, hw, rollout.sglang)]
 
 
 def _sglang_layout_problems(cfg: Config, spec: ModelSpec, hw: Hardware) -> list[str]:
@@ -195,15 +224,18 @@ def _kv_pool_problems(cfg: Config, hw: Hardware, pool: SGLangPool) -> list[str]:
     return problems
 
 
-def _rollout_memory_problems(cfg: Config, hw: Hardware, rollout: RolloutPhase) -> list[str]:
-    phase = rollout.phase()
-    if phase is None or rollout.actor is None or phase.total <= hw.budget_bytes:
-        return []
-    resident = fmt_gib(rollout.actor.resident)
-    return [f"rollout phase needs {fmt_gib(phase.total)} GiB per GPU > {hw.limit_text} "
-            f"(SGLang {cfg.rollout.sglang.mem_fraction_static} x {hw.gpu_mem_gib:g} + actor resident "
-            f"{resident}{'' if rollout.actor.offloaded else ' (actor.offload_when_idle=false)'} + reserve "
-            f"{fmt_gib(rollout.reserve)})"]
+def _phase_problems(cfg: Config, hw: Hardware, phases: tuple[PhaseMemory, ...]) -> list[str]:
+    """generate and sync over the budget (train has its own, more specific message)."""
+    problems = []
+    for p in phases:
+        if p.name == "train" or not p.engine or p.total <= hw.budget_bytes:
+            continue
+        parts = [f"{side} {name} {fmt_gib(v)}" for side, comp in (("actor", p.actor), ("engine", p.engine))
+                 for name, v in comp.items()]
+        hint = " (actor.offload_when_idle=false)" if p.name == "generate" and p.actor else ""
+        problems.append(f"{p.name} phase needs {fmt_gib(p.total)} GiB per GPU > {hw.limit_text} "
+                        f"({' + '.join(parts)} + reserve {fmt_gib(p.reserve)}){hint}")
+    return problems
 
 
 def _rollout_warnings(cfg: Config) -> list[str]:
@@ -219,7 +251,7 @@ def _rollout_warnings(cfg: Config) -> list[str]:
 # ----------------------------------------------------------------------------------------- tokens
 
 
-def _tokens(cfg: Config, dp: int) -> TokenBudget:
+def _tokens(cfg: Config, dp: int, micro_batch_tokens: int) -> TokenBudget:
     a, t, seq = cfg.algo, cfg.train, _sequence_tokens(cfg)
     updates = a.epochs_per_rollout * t.prompt_batch_size // max(t.mini_batch_size, 1)
     trained_seqs = t.prompt_batch_size * a.group_size
@@ -236,4 +268,4 @@ def _tokens(cfg: Config, dp: int) -> TokenBudget:
         updates_per_step=updates,
         sequences_per_update=trained_seqs // max(updates // a.epochs_per_rollout, 1),
         micro_batches_per_update_per_dp_rank_max=math.ceil(
-            t.mini_batch_size * a.group_size / max(dp, 1) / max(cfg.actor.micro_batch_tokens // seq, 1)))
+            t.mini_batch_size * a.group_size / max(dp, 1) / max(micro_batch_tokens // seq, 1)))

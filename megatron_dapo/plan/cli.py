@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     if (args.nodes < 1 or args.gpus_per_node < 1 or args.gpu_mem_gb <= 0 or args.reserve_gb < 0
             or not 0 < args.max_util <= 1):
         print("plan: --nodes and --gpus-per-node must be >= 1, --gpu-mem-gb > 0, --reserve-gb >= 0, "

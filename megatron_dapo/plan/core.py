@@ -1,9 +1,9 @@
 """The planner's typed plan: hardware, model, layout, per-GPU memory of each phase, tokens per step.
 
-A phase of the colocated hybrid engine (train: the actor works, the engine sleeps; rollout: the
-engine generates, the actor is offloaded or resident) is a `PhaseMemory`: named components with
-their bytes per side (actor, engine) plus the reserve. `megatron_dapo.plan.build.make_plan` fills
-these types; `megatron_dapo.plan.memory` holds the memory model behind the numbers.
+A phase of the colocated hybrid engine (loop/phase_model.py, the table the trainer follows too:
+generate, train, sync) is a `PhaseMemory`: named components with their bytes per side (actor,
+engine) plus the reserve. `megatron_dapo.plan.build.make_plan` fills these types;
+`megatron_dapo.plan.memory` holds the memory model behind the numbers.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ class Hardware:
 class ModelSummary:
     source: str
     params: int
+    activated_params: int
+    """Parameters one token runs through (a MoE model's top-k experts; = params if dense)."""
     layers: int
     hidden: int
     ffn: int
@@ -69,6 +71,8 @@ class ModelSummary:
     vocab: int
     vocab_padded: int
     tied_embeddings: bool
+    experts: int = 0
+    experts_per_token: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +82,8 @@ class Layout:
     pp: int
     dp: int
     sequence_parallel: bool
+    ep: int = 1
+    """Expert parallel: the routed experts split over EP of the DP ranks."""
     recompute: str
     distributed_optimizer: bool
     dtype: str
@@ -125,14 +131,16 @@ class StageMemory:
         """Weights, grads and optimizer: what actor.offload_when_idle moves to host memory."""
         return self.weights + self.main_grads + self.optimizer
 
-    def phase(self) -> PhaseMemory:
-        return PhaseMemory(name="train", reserve=self.reserve, actor={
-            "weights": self.weights, "main_grads": self.main_grads, "optimizer": self.optimizer,
-            "activations": self.activations})
+    @property
+    def components(self) -> dict[str, float]:
+        """The actor's components by the phase model's names (loop/phase_model.py)."""
+        return {"weights": self.weights, "main_grads": self.main_grads, "optimizer": self.optimizer,
+                "activations": self.activations}
 
     @property
     def total(self) -> float:
-        return self.phase().total
+        """The train phase on this stage: every component plus the reserve."""
+        return sum(self.components.values()) + self.reserve
 
     def to_dict(self) -> dict[str, Any]:
         return _record(self, "activations", "total")
@@ -170,6 +178,11 @@ class SGLangPool:
     def kv_pool(self) -> float:
         return self.static_pool - self.weights
 
+    @property
+    def components(self) -> dict[str, float]:
+        """The engine's components by the phase model's names (SGLang's memory tags)."""
+        return {"weights": self.weights, "kv_cache": self.kv_pool}
+
     def to_dict(self) -> dict[str, Any]:
         return _record(self, "kv_pool")
 
@@ -193,21 +206,13 @@ class RolloutPhase:
     actor: IdleActor | None = None  # colocated SGLang: the phase shares the actor's GPUs
     reserve: float = 0.0
 
-    def phase(self) -> PhaseMemory | None:
-        if self.sglang is None or self.actor is None:
-            return None
-        return PhaseMemory(name="rollout", reserve=self.reserve, actor={"resident": self.actor.resident},
-                           engine={"weights": self.sglang.weights, "kv_cache": self.sglang.kv_pool})
-
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"engine": self.engine, "colocate": self.colocate}
         if self.sglang is not None:
             out |= self.sglang.to_dict()
-        phase = self.phase()
-        if self.actor is not None and phase is not None:
+        if self.actor is not None:
             out |= {"actor_resident": self.actor.resident, "actor_offloaded": self.actor.offloaded,
-                    "reserve": self.reserve, "total": phase.total,
-                    "host_offload_per_node": self.actor.host_offload_per_node}
+                    "reserve": self.reserve, "host_offload_per_node": self.actor.host_offload_per_node}
         return out
 
 
@@ -239,6 +244,8 @@ class Plan:
     train: TrainPhase
     rollout: RolloutPhase
     tokens: TokenBudget
+    phases: tuple[PhaseMemory, ...] = ()
+    """Each phase of the phase model on one GPU of the worst stage (engine sized for colocated SGLang)."""
     problems: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
 
@@ -246,11 +253,8 @@ class Plan:
     def fits(self) -> bool:
         return not self.problems
 
-    @property
-    def phases(self) -> tuple[PhaseMemory, ...]:
-        """The phases sized on the actor's GPUs: train, and rollout when SGLang is colocated."""
-        rollout = self.rollout.phase()
-        return (self.train.worst.phase(),) + ((rollout,) if rollout is not None else ())
+    def phase(self, name: str) -> PhaseMemory:
+        return next(p for p in self.phases if p.name == name)
 
     def to_dict(self) -> dict[str, Any]:
         hw = self.hardware

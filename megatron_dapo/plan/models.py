@@ -35,6 +35,23 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
                          max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-06,
                          tie_word_embeddings=True, use_sliding_window=False),
+    # Qwen/Qwen3-8B: 36 layers, hidden 4096, FFN 12288, 32 query heads x head_dim 128, 8 KV heads, QK-norm,
+    # vocab 151936, untied; 8.19 B parameters (6.95 B without the embedding and lm_head).
+    "Qwen3-8B": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu",
+                     hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                     rope_theta=1000000.0, rms_norm_eps=1e-06, tie_word_embeddings=False, attention_bias=False,
+                     use_sliding_window=False),
+    # Qwen/Qwen3-30B-A3B: 48 MoE layers, hidden 2048, 128 experts of FFN 768, top-8 (renormalised), no shared
+    # expert, 32 query heads x 128, 4 KV heads, QK-norm, vocab 151936, untied; 30.53 B parameters, 3.35 B
+    # activated per token (the model card's 30.5 B / 3.3 B).
+    "Qwen3-30B-A3B": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_act="silu",
+                          hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+                          rms_norm_eps=1e-06, tie_word_embeddings=False, attention_bias=False,
+                          use_sliding_window=False),
 }
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_dapo.plan.core import Plan, RolloutPhase, SGLangPool, fmt_gib as _g
+from megatron_dapo.plan.core import PhaseMemory, Plan, RolloutPhase, SGLangPool, fmt_gib as _g
 
 
 def _n(x: float) -> str:
@@ -13,9 +13,14 @@ def _n(x: float) -> str:
 
 
 def format_plan(plan: Plan) -> str:
-    lines = _header(plan) + _train_lines(plan)
-    if plan.rollout.sglang is not None:
-        lines += _rollout_lines(plan, plan.rollout, plan.rollout.sglang)
+    lines = _header(plan)
+    for phase in plan.phases:  # the phase model's order: generate, train, sync
+        if phase.name == "generate":
+            lines += _generate_lines(plan, plan.rollout, phase)
+        elif phase.name == "train":
+            lines += _train_lines(plan, phase)
+        else:
+            lines += _sync_lines(plan, phase)
     lines += _token_lines(plan)
     lines += [f"warning: {w}" for w in plan.warnings]
     lines.append("")
@@ -41,10 +46,13 @@ def _header(plan: Plan) -> list[str]:
         f"model: {_n(m.params)} params, {m.layers} layers, hidden {m.hidden}, FFN {m.ffn}, "
         f"{m.heads} heads / {m.kv_heads} KV heads x {m.head_dim}, vocab {m.vocab} "
         f"(padded {m.vocab_padded}), {'tied' if m.tied_embeddings else 'untied'} embeddings",
+        *([f"       MoE: {m.experts} experts of FFN {m.ffn}, top-{m.experts_per_token} per token: "
+            f"{_n(m.activated_params)} params activated per token"] if m.experts else []),
         f"       from {m.source}",
         "",
         "layout",
-        f"  actor    TP={lay.tp} x PP={lay.pp} x DP={lay.dp} = {lay.world_size}; "
+        f"  actor    TP={lay.tp} x PP={lay.pp} x DP={lay.dp} = {lay.world_size}"
+        f"{f' (experts: EP={lay.ep} of the DP ranks)' if lay.ep > 1 else ''}; "
         f"{lay.layers_per_stage} layers per stage; sequence parallel {on_off}; recompute {lay.recompute}; "
         f"{optim} optimizer; {lay.dtype} params",
     ]
@@ -57,7 +65,20 @@ def _header(plan: Plan) -> list[str]:
     return lines
 
 
-def _train_lines(plan: Plan) -> list[str]:
+def _total(plan: Plan, phase: PhaseMemory) -> str:
+    return f"  total         {_g(phase.total):>8}   of {_planned(plan)} planned"
+
+
+def _sync_lines(plan: Plan, phase: PhaseMemory) -> list[str]:
+    actor = sum(phase.actor.values())
+    lines = ["", "per-GPU memory, sync phase (actor state + the engine's weights, not its KV cache), GiB",
+             f"  actor         {_g(actor):>8}   weights + main grads + optimizer"]
+    if "weights" in phase.engine:
+        lines.append(f"  SGLang weights{_g(phase.engine['weights']):>8}   resumed without the KV cache")
+    return lines + [f"  reserve       {_g(phase.reserve):>8}", _total(plan, phase)]
+
+
+def _train_lines(plan: Plan, phase: PhaseMemory) -> list[str]:
     lay, tr = plan.layout, plan.train.worst
     dp_note = f" / DP {lay.dp}" if lay.distributed_optimizer else ""
     w_bytes, o_bytes = (2, 12) if lay.dtype == "bfloat16" else (4, 8)
@@ -71,16 +92,25 @@ def _train_lines(plan: Plan) -> list[str]:
         f"{tr.train_tokens} tokens, logprob {_g(tr.activations_logprob)} @ {tr.logprob_tokens} tokens), "
         f"recompute {lay.recompute}",
         f"  reserve       {_g(tr.reserve):>8}   CUDA contexts, NCCL buffers (--reserve-gb)",
-        f"  total         {_g(tr.phase().total):>8}   of {_planned(plan)} planned",
+        _total(plan, phase),
     ]
 
 
-def _rollout_lines(plan: Plan, ro: RolloutPhase, sg: SGLangPool) -> list[str]:
+def _generate_lines(plan: Plan, ro: RolloutPhase, phase: PhaseMemory) -> list[str]:
+    if ro.sglang is None or not ro.colocate:
+        where = "not sized" if ro.sglang is None else "on other GPUs"
+        return ["", f"per-GPU memory, generate phase ({ro.engine} engine: {where}), GiB",
+                f"  actor         {_g(sum(phase.actor.values())):>8}   weights + grads + optimizer stay",
+                f"  reserve       {_g(phase.reserve):>8}", _total(plan, phase)]
+    return _sglang_lines(plan, ro, ro.sglang, phase)
+
+
+def _sglang_lines(plan: Plan, ro: RolloutPhase, sg: SGLangPool, phase: PhaseMemory) -> list[str]:
     m = plan.model
     kv_heads_gpu = max(1, m.kv_heads // sg.sglang_tp)
     lines = [
         "",
-        "per-GPU memory, rollout phase (SGLang awake), GiB",
+        "per-GPU memory, generate phase (SGLang awake), GiB",
         f"  SGLang pool   {_g(sg.static_pool):>8}   mem_fraction_static x GPU",
         f"    weights     {_g(sg.weights):>8}   2 B x {_n(m.params)} / sglang TP {sg.sglang_tp}",
         f"    KV cache    {_g(sg.kv_pool):>8}   {sg.kv_bytes_per_token_gpu} B/token/GPU "
@@ -88,8 +118,7 @@ def _rollout_lines(plan: Plan, ro: RolloutPhase, sg: SGLangPool) -> list[str]:
         f"{sg.kv_bytes_per_token_engine} B/token per engine) = "
         f"{_n(sg.kv_pool_tokens_per_engine)} tokens per engine",
     ]
-    phase = ro.phase()
-    if ro.actor is not None and phase is not None:
+    if ro.actor is not None:
         if ro.actor.offloaded:
             actor = (f"offloaded to host (actor.offload_when_idle): "
                      f"{_g(ro.actor.host_offload_per_node)} GiB host RAM per node")
@@ -98,7 +127,7 @@ def _rollout_lines(plan: Plan, ro: RolloutPhase, sg: SGLangPool) -> list[str]:
         lines += [
             f"  actor         {_g(ro.actor.resident):>8}   {actor}",
             f"  reserve       {_g(ro.reserve):>8}",
-            f"  total         {_g(phase.total):>8}   of {_planned(plan)} planned",
+            _total(plan, phase),
         ]
     waves = sg.worst_case_waves_per_round
     lines.append(

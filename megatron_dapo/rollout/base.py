@@ -4,6 +4,12 @@ The trainer only talks to `RolloutEngine`: generate G samples per prompt with pe
 release memory around training (`sleep`/`wake`), take fresh weights as a stream of HF-named
 tensors (`update_weights`), drop leftovers (`abort`), and report liveness (`health`).
 
+Besides the blocking `generate`, `stream()` opens a `RolloutStream`: submit groups (`GroupRequest`: a
+prompt, n, sampling with the group's own seed), receive each GROUP as soon as its n samples are
+finished, in completion order, and `abort()` what is left, learning what was cancelled. A group's
+samples depend only on its request (its seed), never on what else runs beside it, as far as the
+engine's arithmetic is batch-invariant (see each engine).
+
 Logprob semantics (all engines): `Sample.rollout_logprobs[t]` is
 log softmax(logits_t / temperature)[o_t], the temperature-scaled distribution BEFORE top-p
 truncation, which is what SGLang returns by default. With temperature 0 (greedy) it is the plain
@@ -16,11 +22,26 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import torch
 
 from megatron_dapo.config import RolloutConfig
 from megatron_dapo.types import Sample
+
+
+MEMORY_TAGS = ("weights", "kv_cache")
+"""What an engine releases and resumes separately (SGLang's memory tags): sleep/wake(tags=None) = all."""
+
+
+def check_tags(tags: Sequence[str] | None) -> tuple[str, ...]:
+    """The tags a sleep/wake call means (None = all); an unknown tag is a ValueError."""
+    if tags is None:
+        return MEMORY_TAGS
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad:
+        raise ValueError(f"unknown memory tags {bad}; valid: {', '.join(MEMORY_TAGS)}")
+    return tuple(t for t in MEMORY_TAGS if t in tags)
 
 
 class EngineStateError(RuntimeError):
@@ -82,6 +103,81 @@ def check_prompts(prompt_token_ids: Sequence[Sequence[int]], n: int) -> None:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
 
 
+@dataclass(frozen=True, kw_only=True)
+class GroupRequest:
+    """n samples of one prompt for a stream; `key` (the caller's group index) names it in results, aborts."""
+
+    key: int
+    prompt_ids: tuple[int, ...]
+    n: int
+    sampling: SamplingParams
+    """Per group: with a seed, sample k of the group draws from a random stream keyed by (seed + k)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        check_prompts([self.prompt_ids], self.n)
+
+
+@dataclass
+class GroupResult:
+    """A finished group: its n samples in sample order."""
+
+    key: int
+    samples: list[Sample]
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.response_len for s in self.samples)
+
+
+@dataclass
+class AbortReport:
+    """What `RolloutStream.abort()` cancelled."""
+
+    keys: list[int]
+    """The groups submitted and not returned by `next()`, in key order (queued, running, or finished
+    but not yet collected)."""
+    tokens: int
+    """Tokens generated for those groups before the abort (partial and finished responses)."""
+
+
+class RolloutStream(ABC):
+    """Groups in, finished groups out in completion order; one stream per engine at a time.
+
+    `next()` and `submit()` belong to one thread; `abort()` may also come from another thread, and then
+    a `next()` running there raises GenerationAborted. After `abort()` the stream is empty and usable.
+    """
+
+    @abstractmethod
+    def submit(self, requests: Sequence[GroupRequest]) -> None:
+        """Queue groups; they start as the engine has room. Keys must be unique among pending groups."""
+
+    @abstractmethod
+    def next(self) -> GroupResult:
+        """The next finished group (blocks, bounded by the engine's own timeouts). Raises
+        EngineStateError when nothing is pending; an engine failure propagates, naming the engine."""
+
+    @property
+    @abstractmethod
+    def pending(self) -> int:
+        """Groups submitted and not yet returned by `next()` or cancelled."""
+
+    @abstractmethod
+    def abort(self) -> AbortReport:
+        """Cancel every pending group and report them (also usable after an engine failure)."""
+
+    def close(self) -> None:
+        """Abort what is pending; the stream is closed (its engine can open a new one)."""
+        if self.pending:
+            self.abort()
+
+    def __enter__(self) -> RolloutStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 class RolloutEngine(ABC):
     """Generates groups of samples and takes weight updates; usable as a context manager."""
 
@@ -95,6 +191,10 @@ class RolloutEngine(ABC):
         logprob) and "length" when max_new_tokens was reached (truncated).
         """
 
+    def stream(self) -> RolloutStream:
+        """Open a `RolloutStream`; an engine that cannot stream raises NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} has no streaming rollout")
+
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the engine's weights, consuming the iterable as a stream.
@@ -104,12 +204,19 @@ class RolloutEngine(ABC):
         """
 
     @abstractmethod
-    def sleep(self) -> None:
-        """Release device memory for training (colocated mode); generate refuses until wake()."""
+    def sleep(self, tags: Sequence[str] | None = None) -> None:
+        """Release device memory for training (colocated mode); generate refuses until all is awake.
+        `tags` (MEMORY_TAGS): release only those; None = everything."""
 
     @abstractmethod
-    def wake(self) -> None:
-        """Retake the memory released by sleep()."""
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Retake the memory released by sleep(): only `tags` (e.g. the weights, to take new ones before
+        the KV cache comes back), None = everything still released."""
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes the engine holds on its device(s) now, by memory tag (released ones: 0); {} = unknown.
+        For the phase ledger: what the colocated engine occupies next to the actor."""
+        return {}
 
     @abstractmethod
     def abort(self) -> None:

@@ -101,6 +101,10 @@ class LlamaDecoder:
         cfg, self.model, self.inner = model.config, model, model.model
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self._rope_tables(max_len)
+
+    def _rope_tables(self, max_len: int) -> None:
+        """cos / signed sin [max_len, D] for positions 0 .. max_len - 1."""
         self.max_len = max_len
         dtype, device = self.inner.embed_tokens.weight.dtype, self.inner.embed_tokens.weight.device
         anchor = torch.empty(0, dtype=dtype, device=device)
@@ -134,7 +138,8 @@ class LlamaDecoder:
         self.pos = self.pos + 1
         return logits
 
-    def _forward(self, ids: Tensor, pos: Tensor, attn_mask: Tensor) -> Tensor:
+    def _forward(self, ids: Tensor, pos: Tensor, attn_mask: Tensor, last: Tensor | None = None) -> Tensor:
+        """Logits after the token at index `last` of each row (default: the last position)."""
         h = self.inner.embed_tokens(ids)
         cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
         for i, layer in enumerate(self.inner.layers):
@@ -145,7 +150,8 @@ class LlamaDecoder:
             h = h + F.linear(gate * F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias),
                              mlp.down_proj.weight, mlp.down_proj.bias)
         self.length += ids.shape[1]
-        return self.model.lm_head(_rms_norm(self.inner.norm, h[:, -1]))
+        h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]
+        return self.model.lm_head(_rms_norm(self.inner.norm, h))
 
     def _attention(self, attn: torch.nn.Module, x: Tensor, cos: Tensor, sin: Tensor, layer: int,
                    mask: Tensor) -> Tensor:
@@ -156,10 +162,7 @@ class LlamaDecoder:
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
             q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
         q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
-        end = self.length + s
-        self.keys[layer][:, :, self.length : end] = k
-        self.values[layer][:, :, self.length : end] = v.transpose(1, 2)
-        keys, values = self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        keys, values = self._store(layer, k, v.transpose(1, 2))
         if s == 1:  # decode: grouped-query attention as two small matmuls (faster than SDPA on CPU)
             qg = q.reshape(b, self.n_kv, self.n_heads // self.n_kv, self.head_dim)
             scores = (qg @ keys.transpose(-1, -2)) * attn.scaling + mask
@@ -169,3 +172,10 @@ class LlamaDecoder:
                                                  enable_gqa=self.n_kv != self.n_heads)
             out = out.transpose(1, 2).reshape(b, s, -1)
         return F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+
+    def _store(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write the new keys / values [B, Hkv, S, D] into the cache; return every key / value so far."""
+        end = self.length + k.shape[2]
+        self.keys[layer][:, :, self.length : end] = k
+        self.values[layer][:, :, self.length : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]

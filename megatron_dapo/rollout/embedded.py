@@ -12,6 +12,9 @@ Sampling and logprob semantics are those of `base.py` (SGLang's default): the re
 log softmax(logits / T) of the sampled token, before top-p truncation (top-p uses transformers'
 TopPLogitsWarper). Sampling draws from a per-call torch.Generator, so a seed reproduces a call
 exactly (for the same prompts, n and max_batch_tokens).
+
+`stream()` is the streaming rollout (continuous.py): groups join a running batch as rows finish, and
+come out as soon as their n samples are done.
 """
 
 from __future__ import annotations
@@ -26,43 +29,25 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.generation.logits_process import TopPLogitsWarper
 
+from megatron_dapo.offload import HostOffload, device_bytes, own_storage
 from megatron_dapo.rollout.base import (
     EngineStateError,
     GenerationAborted,
     RolloutEngine,
+    RolloutStream,
     SamplingParams,
     check_prompts,
+    check_tags,
 )
+from megatron_dapo.rollout.checkpoint_names import checkpoint_views
+from megatron_dapo.rollout.continuous import EmbeddedStream
 from megatron_dapo.rollout.decoders import Decoder, HFDecoder, LlamaDecoder, llama_fast_path_ok
+from megatron_dapo.rollout.sampling import sample_next
+from megatron_dapo.rollout.slots import SlotDecoder, WaveDecoder
 from megatron_dapo.types import Sample
 
 _COMPACT_BELOW = 0.75
 """Drop stopped rows from the batch once fewer than this fraction of its rows are still running."""
-
-
-def sample_next(logits: Tensor, sampling: SamplingParams, generator: torch.Generator,
-                top_p: TopPLogitsWarper | None = None) -> tuple[Tensor, Tensor]:
-    """Next token per row and its logprob under softmax(logits / T) (pre top-p; T=0: argmax, T=1)."""
-    logits = logits.float()
-    if sampling.greedy:
-        tokens = logits.argmax(-1)
-        logprobs = logits.log_softmax(-1)
-    else:
-        scaled = logits / sampling.temperature
-        logprobs = scaled.log_softmax(-1)
-        probs = top_p(None, scaled).softmax(-1) if top_p is not None else logprobs.exp()
-        tokens = _draw(probs, generator)
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
-
-
-def _draw(probs: Tensor, generator: torch.Generator) -> Tensor:
-    """One token per row by inverse CDF: one uniform per row (torch.multinomial draws one per
-    vocabulary entry, which made it the costliest op of a small-model decode step)."""
-    cdf = probs.cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype)
-    # x in (0, total]: the first index with cdf >= x is never a zero-probability token (cut by top-p).
-    x = (1.0 - u) * cdf[:, -1:]
-    return torch.searchsorted(cdf, x).squeeze(1)
 
 
 def _plan(lengths: Sequence[int], n: int, new_tokens: int, budget: int) -> list[list[tuple[int, int]]]:
@@ -90,6 +75,12 @@ def _left_pad(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[T
     return ids.to(device), mask.to(device)
 
 
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    """b is a itself (same data, same layout): copying would be a no-op."""
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.dtype == b.dtype \
+        and a.device == b.device
+
+
 def _eos_ids(model: PreTrainedModel) -> set[int]:
     ids: set[int] = set()
     for source in (model.config, getattr(model, "generation_config", None)):
@@ -104,11 +95,13 @@ class EmbeddedEngine(RolloutEngine):
     The engine takes over the model: it moves it to `device`/`dtype` and puts it in eval mode.
     `max_batch_tokens` bounds the KV cache of one sub-batch: rows x (prompt + max_new_tokens).
     `fast_path`: None = the Llama-family decoder when the model supports it, else the generic one.
+    `borrowed`: tensors whose memory another component owns (the actor's, when the model is built on its
+    weights): the engine's parameters on that memory are neither released by sleep() nor counted as its own.
     """
 
     def __init__(self, model: PreTrainedModel | str | Path, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, max_batch_tokens: int = 1 << 17,
-                 fast_path: bool | None = None) -> None:
+                 fast_path: bool | None = None, borrowed: Iterable[Tensor] = ()) -> None:
         if isinstance(model, (str, Path)):
             model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
         if max_batch_tokens < 1:
@@ -118,14 +111,21 @@ class EmbeddedEngine(RolloutEngine):
                              f"got {model.config.model_type!r}")
         self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=dtype).eval()
+        lent = {t.untyped_storage().data_ptr() for t in borrowed}
+        # parameters on another component's memory (the actor's, shared_weights.py) stay with their owner
+        self._own = [p for p in self.model.parameters() if p.untyped_storage().data_ptr() not in lent]
+        own_storage(self._own)  # sleep() frees their memory in place
         self.max_batch_tokens = max_batch_tokens
         use_fast = llama_fast_path_ok(model) if fast_path is None else fast_path
         self._decoder_cls: type[LlamaDecoder] | type[HFDecoder] = LlamaDecoder if use_fast else HFDecoder
-        self._params = dict(model.named_parameters(remove_duplicate=False))
+        self._params = checkpoint_views(dict(model.named_parameters(remove_duplicate=False)))
         self._eos = _eos_ids(model)
         self._busy = threading.Lock()
         self._abort = threading.Event()
-        self._asleep = self._closed = False
+        self._closed = False
+        self._released: set[str] = set()  # memory tags released by sleep()
+        self._offload = HostOffload()  # the weights while released
+        self._spare: SlotDecoder | WaveDecoder | None = None  # a closed stream's decoder (its KV memory)
 
     # ---------------------------------------------------------------------------------- generate
 
@@ -202,11 +202,27 @@ class EmbeddedEngine(RolloutEngine):
             logits = decoder.step(next_tokens)
         return tokens.cpu(), logprobs.cpu(), lengths.cpu(), stopped.cpu()
 
+    def stream(self) -> RolloutStream:
+        """Continuous batching within max_batch_tokens (continuous.py); several streams may be open. A
+        closed stream's decoder (and its KV memory) serves the next one; sleep() releases it."""
+        self._check_open()
+        slots = SlotDecoder if self._decoder_cls is LlamaDecoder else WaveDecoder
+        decoder, self._spare = self._spare or slots(self.model, self.max_batch_tokens), None
+        return EmbeddedStream(decoder, eos=self._eos, vocab=self.model.get_output_embeddings().weight.shape[0],
+                              device=self.device, engine_lock=self._busy, ready=self._check_ready,
+                              check_prompts=self._check_vocab, on_close=self._keep_decoder)
+
+    def _keep_decoder(self, decoder: SlotDecoder | WaveDecoder) -> None:
+        if not self._closed and "kv_cache" not in self._released:
+            self._spare = decoder
+
     # ------------------------------------------------------------------------- weights and state
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         with self._busy, torch.no_grad():
             self._check_open()
+            if "weights" in self._released:
+                raise EngineStateError("EmbeddedEngine: its weights are released: wake() them before update_weights()")
             for name, tensor in named_tensors:
                 param = self._params.get(name)
                 if param is None:
@@ -216,23 +232,35 @@ class EmbeddedEngine(RolloutEngine):
                 if tuple(tensor.shape) != tuple(param.shape):
                     raise ValueError(f"update_weights: {name}: got shape {tuple(tensor.shape)}, "
                                      f"the engine's parameter has {tuple(param.shape)}")
-                param.copy_(tensor)
+                if not _same_memory(param, tensor):  # a model built on the trainer's tensors
+                    param.copy_(tensor)
 
-    def sleep(self) -> None:
-        """On an accelerator, weights move to host memory and the cache allocator is emptied."""
+    def sleep(self, tags: Sequence[str] | None = None) -> None:
+        """"weights": their storage moves to a host copy (also on CPU: a distinct allocation), the
+        device's cache allocator is emptied; "kv_cache": nothing is held between calls to release."""
         with self._busy:
             self._check_open()
-            if self.device.type != "cpu" and not self._asleep:
-                self.model.to("cpu")
-                getattr(torch, self.device.type).empty_cache()
-            self._asleep = True
+            tags = set(check_tags(tags)) - self._released
+            self._spare = None  # a kept stream decoder's KV cache
+            if "weights" in tags:
+                self._offload.offload({"weights": self._own})
+                if self.device.type != "cpu":
+                    getattr(torch, self.device.type).empty_cache()
+            self._released |= tags
 
-    def wake(self) -> None:
+    def wake(self, tags: Sequence[str] | None = None) -> None:
         with self._busy:
             self._check_open()
-            if self.device.type != "cpu" and self._asleep:
-                self.model.to(self.device)
-            self._asleep = False
+            tags = set(check_tags(tags)) & self._released
+            if "weights" in tags:
+                self._offload.reload()
+            self._released -= tags
+
+    def resident_bytes(self) -> dict[str, int]:
+        """The weights' bytes on the device ("kv_cache": 0, it is allocated inside generate() only)."""
+        if self._closed:
+            return {"weights": 0, "kv_cache": 0}
+        return {**device_bytes({"weights": self._own}, self.device), "kv_cache": 0}
 
     def abort(self) -> None:
         """Checked between decode steps: a running generate raises GenerationAborted; else no-op."""
@@ -246,6 +274,7 @@ class EmbeddedEngine(RolloutEngine):
         self.abort()
         with self._busy:
             self._closed = True
+            self._spare = None
             self._params = {}
             self.model = None  # type: ignore[assignment]
 
@@ -262,6 +291,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def _check_ready(self) -> None:
         self._check_open()
-        if self._asleep:
-            raise EngineStateError("EmbeddedEngine is asleep: call wake() before generate()")
+        if self._released:
+            raise EngineStateError(f"EmbeddedEngine is asleep ({', '.join(sorted(self._released))} released): "
+                                   "call wake() before generate()")
 

@@ -5,7 +5,8 @@ returns the groups in prompt order; a sampling seed is offset per chunk exactly 
 offset it per sample, so the split does not change which seed a sample gets. update_weights() streams
 every tensor to every engine at once through small per-engine queues (no copy of the model is held);
 sleep / wake / abort / shutdown go to all engines. Any engine's failure stops the call and is raised
-with the engine named; the other engines' requests are aborted.
+with the engine named; the other engines' requests are aborted. stream() spreads groups over the
+engines' own streams by load (group_stream.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 
 import torch
 
-from megatron_dapo.rollout.base import RolloutEngine, SamplingParams, check_prompts
+from megatron_dapo.rollout.base import RolloutEngine, RolloutStream, SamplingParams, check_prompts
+from megatron_dapo.rollout.group_stream import GroupStream
 from megatron_dapo.types import Sample
 
 _END = object()
@@ -106,6 +108,18 @@ class EngineGroup(RolloutEngine):
                 raise EngineGroupError(f"generate failed on rollout engine {self.names[k]}: {e}") from e
         return groups
 
+    def stream(self) -> RolloutStream:
+        """Every engine's stream behind one; groups go to the least loaded engine (group_stream.py)."""
+        streams: list[RolloutStream] = []
+        try:
+            for engine in self.engines:
+                streams.append(engine.stream())
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return GroupStream(streams, self.names, self.weights)
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         queues = [queue.Queue(maxsize=_QUEUE_DEPTH) for _ in self.engines]
         stop = threading.Event()
@@ -147,11 +161,15 @@ class EngineGroup(RolloutEngine):
             raise EngineGroupError(f"{what} failed on rollout engine {name}: {e}") from e
         return results
 
-    def sleep(self) -> None:
-        self._all(lambda e: e.sleep(), "sleep")
+    def sleep(self, tags: Sequence[str] | None = None) -> None:
+        self._all(lambda e: e.sleep() if tags is None else e.sleep(tags), "sleep")
 
-    def wake(self) -> None:
-        self._all(lambda e: e.wake(), "wake")
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        self._all(lambda e: e.wake() if tags is None else e.wake(tags), "wake")
+
+    def resident_bytes(self) -> dict[str, int]:
+        """The first engine's: the one on the driver's devices, next to its actor shard."""
+        return self.engines[0].resident_bytes()
 
     def abort(self) -> None:
         self._all(lambda e: e.abort(), "abort")

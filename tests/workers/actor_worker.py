@@ -1,10 +1,14 @@
 """Run under torchrun by tests/test_actor.py: one actor layout, results saved per rank.
 
-    torchrun --nproc_per_node N tests/workers/actor_worker.py CASE HF_DIR OUT_DIR TP PP [CKPT]
+    torchrun --nproc_per_node N tests/workers/actor_worker.py CASE HF_DIR[,HF_DIR...] OUT_DIR TP PP [CKPT]
+
+Each HF folder is trained in turn on the same layout; results are keyed by the folder's name. The
+checkpoint (CKPT) belongs to the first folder.
 """
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -16,6 +20,14 @@ from megatron_dapo.config import Config
 from megatron_dapo.types import TrainBatch
 
 VOCAB = 200
+GRAD_CLIP = 1.0
+UPDATES = 4
+"""Optimizer updates per model in a "train" run (the first one's gradients are kept too)."""
+LR, ADAM_EPS = 2e-4, 1e-6
+"""A small step keeps the gradient norm above GRAD_CLIP for all UPDATES (PPO's ratio clip would zero
+the gradient of tokens a large step moved), and an eps near the size of the clipped gradients makes
+Adam's step depend on their scale: a wrong clip coefficient changes the parameters, and Adam does not
+blow fp32 noise in ~1e-8 gradients up to a full lr step."""
 
 
 def fixed_batch() -> TrainBatch:
@@ -28,16 +40,22 @@ def fixed_batch() -> TrainBatch:
         ids[i, n:] = 0
         mask[i, 4:n] = 1.0
     mask[2, 6] = 0.0  # a hole (e.g. a filtered token)
-    adv = torch.tensor([1.5, -0.5, -0.5, -0.5, 1.0, -1.0, 0.3, -0.3])
+    # large enough that the gradient norm stays above GRAD_CLIP for all UPDATES: clipping acts every time
+    adv = 4 * torch.tensor([1.5, -0.5, -0.5, -0.5, 1.0, -1.0, 0.3, -0.3])
     return TrainBatch(input_ids=ids, loss_mask=mask, advantages=adv, lengths=lengths)
+
+
+def old_logprob_offset(batch: TrainBatch) -> torch.Tensor:
+    """pi_old != pi_theta so that both clip bounds are exercised (a fixed pattern over the FULL batch)."""
+    return 0.3 * torch.sin(torch.arange(batch.input_ids.numel()).view_as(batch.input_ids) * 1.7)
 
 
 def make_cfg(tp: int, pp: int) -> Config:
     cfg = Config()
     cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel = tp, pp
     cfg.model.dtype = "float32"
-    cfg.actor.optimizer.lr, cfg.actor.optimizer.warmup_steps = 1e-2, 0
-    cfg.actor.optimizer.grad_clip, cfg.actor.optimizer.weight_decay = 0.0, 0.0
+    cfg.actor.optimizer.lr, cfg.actor.optimizer.warmup_steps, cfg.actor.optimizer.adam_eps = LR, 0, ADAM_EPS
+    cfg.actor.optimizer.grad_clip, cfg.actor.optimizer.weight_decay = GRAD_CLIP, 0.0
     cfg.actor.micro_batch_tokens = 48  # several micro-batches per mini-batch
     cfg.actor.logprob_micro_batch_tokens = 40
     cfg.actor.optimizer.distributed_optimizer = os.environ.get("DAPO_TEST_DISTOPT") == "1"
@@ -50,31 +68,33 @@ def dp_rows(batch: TrainBatch) -> TrainBatch:
     return split_rows(batch, parallel.dp_size())[parallel.dp_rank()]
 
 
-def main() -> None:
-    case, hf_dir, out, tp, pp = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-    cfg = make_cfg(tp, pp)
-    parallel.initialize(cfg.parallel, seed=7)
+def hf_tensors(actor: Actor, grads: bool = False) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in export_hf_weights(actor.module, actor.spec, grads=grads)}
+
+
+def run_model(case: str, hf_dir: str, cfg: Config, ckpt: str | None) -> dict:
     actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor)
-    result: dict = {"rank": parallel.global_rank(), "dp_rank": parallel.dp_rank(), "tp_rank": parallel.tp_rank()}
+    result: dict = {}
     batch = fixed_batch()
-    # pi_old != pi_theta so that both clip bounds are exercised (a fixed pattern over the FULL batch)
-    batch.old_logprobs = actor.compute_logprobs(batch)[0] + 0.3 * torch.sin(
-        torch.arange(batch.input_ids.numel()).view_as(batch.input_ids) * 1.7)
+    batch.old_logprobs = actor.compute_logprobs(batch)[0] + old_logprob_offset(batch)
     mine = dp_rows(batch)
     if case == "load":
-        load_checkpoint(actor, latest_checkpoint(sys.argv[6]))
+        load_checkpoint(actor, latest_checkpoint(ckpt))
     result["logprobs"], result["entropy"] = actor.compute_logprobs(batch)
     if case == "train":
         result["metrics"] = actor.train_step(mine)
-        result["grads"] = {n: t.clone() for n, t in export_hf_weights(actor.module, actor.spec, grads=True)}
-        result["params"] = {n: t.clone() for n, t in export_hf_weights(actor.module, actor.spec)}
+        result["grads"], result["params"] = hf_tensors(actor, grads=True), hf_tensors(actor)
         result["logprobs_after"] = actor.compute_logprobs(batch)[0]
-        if len(sys.argv) > 6:
-            save_checkpoint(actor, sys.argv[6], step=1)
-    if case in ("train", "load") and len(sys.argv) > 6:
-        result["next_losses"] = [actor.train_step(mine)["loss"] for _ in range(2)]
+        if ckpt:
+            save_checkpoint(actor, ckpt, step=1)
+    if case in ("train", "load"):
+        later = [actor.train_step(mine) for _ in range(UPDATES - 1)]
+        result["next_losses"] = [m["loss"] for m in later]
+    if case == "train":
+        result["history"] = [result["metrics"], *later]
+        result["params_final"] = hf_tensors(actor)
     if case == "nan":
-        before = {n: t.clone() for n, t in export_hf_weights(actor.module, actor.spec)}
+        before = hf_tensors(actor)
         mine.advantages[0] = float("nan")
         result["metrics"] = actor.train_step(mine)
         after = dict(export_hf_weights(actor.module, actor.spec))
@@ -83,6 +103,17 @@ def main() -> None:
         result["metrics_next"] = actor.train_step(mine)
     if case == "learn":
         result["losses"] = [actor.train_step(batch)["loss"] for _ in range(8)]
+    return result
+
+
+def main() -> None:
+    case, hf_dirs, out = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+    tp, pp, ckpt = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] if len(sys.argv) > 6 else None
+    cfg = make_cfg(tp, pp)
+    parallel.initialize(cfg.parallel, seed=7)
+    result: dict = {"rank": parallel.global_rank(), "dp_rank": parallel.dp_rank(), "models": {}}
+    for i, hf_dir in enumerate(hf_dirs):
+        result["models"][Path(hf_dir).name] = run_model(case, hf_dir, cfg, ckpt if i == 0 else None)
     torch.save(result, f"{out}/rank_{parallel.global_rank()}.pt")
     parallel.destroy()
 

@@ -1,7 +1,7 @@
 """Under torchrun: train the actor one step, sync its weights into an embedded engine on rank 0,
 and compare the engine's logprobs with the actor's on the same tokens.
 
-    torchrun --nproc_per_node N tests/workers/sync_worker.py HF_DIR OUT TP PP
+    torchrun --nproc_per_node N tests/workers/sync_worker.py HF_DIR OUT TP PP [EP]
 """
 
 import sys
@@ -20,6 +20,7 @@ from megatron_dapo.types import Group, Prompt
 def main() -> None:
     hf_dir, out, tp, pp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     cfg = make_cfg(tp, pp)
+    cfg.parallel.expert_parallel = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     parallel.initialize(cfg.parallel, seed=7)
     actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor)
     batch = fixed_batch()

@@ -55,13 +55,17 @@ from megatron_dapo.rollout.base import (
     EngineStateError,
     GenerationAborted,
     RolloutEngine,
+    RolloutStream,
     SamplingParams,
     check_prompts,
+    check_tags,
 )
-from megatron_dapo.rollout.sglang.server import SGLangServer
+from megatron_dapo.rollout.sglang.server import SGLangServer, SGLangServerError
+from megatron_dapo.rollout.sglang.stream import SGLangStream
 from megatron_dapo.rollout.sglang.transport import WeightBroadcastGroup, serialized_bucket
 from megatron_dapo.rollout.sglang.wire import (
     cut_at_stop,
+    generate_body,
     iter_buckets,
     parse_generate_response,
     tensor_nbytes,
@@ -124,7 +128,9 @@ class SGLangEngine(SGLangServer, RolloutEngine):
     ) -> None:
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._shapes = checkpoint_shapes(str(model_path))
-        self._asleep = False
+        self._released: set[str] = set()  # memory tags released (see sleep)
+        self._tags_ok = True  # the server takes memory tags (SGLang >= 0.4.6); else whole release only
+        self._memory_sizes: dict[str, int] | None = None
         self._abort = threading.Event()
         self._versions = itertools.count(1)
         self.last_update = WeightUpdateStats()
@@ -144,38 +150,25 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
     ) -> list[list[Sample]]:
         check_prompts(prompt_token_ids, n)
-        if self._asleep:
+        if self._released:
             raise EngineStateError(f"SGLang engine {self.url} is asleep: call wake() before generate()")
         if not prompt_token_ids:
             return []
-        # n copies of each prompt, prompt-major (SGLang's own `n` warms up each prompt sequentially).
-        requests = [list(p) for p in prompt_token_ids for _ in range(n)]
-        params: dict[str, Any] = {
-            "max_new_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "ignore_eos": sampling.ignore_eos,
-        }
-        # SGLang's ignore_eos also ignores stop_token_ids; ours keeps them, so then we cut client-side.
-        cut_at = set(sampling.stop_token_ids) if sampling.ignore_eos else set()
-        if sampling.stop_token_ids and not cut_at:
-            params["stop_token_ids"] = list(sampling.stop_token_ids)
-        if sampling.seed is None:
-            sampling_params: Any = params
-        else:
-            sampling_params = [
-                dict(params, sampling_seed=(sampling.seed + k) % 2**63) for k in range(len(requests))
-            ]
+        body, requests, cut_at = generate_body(prompt_token_ids, n, sampling)
         self._abort.clear()
-        payload = self.post(
-            "/generate", {"input_ids": requests, "sampling_params": sampling_params, "return_logprob": True}
-        )
+        payload = self.post("/generate", body)
         if self._abort.is_set():
             raise GenerationAborted(f"generate on {self.url} was aborted")
         samples = parse_generate_response(payload, requests)
         if cut_at:
             samples = [cut_at_stop(s, cut_at) for s in samples]
         return [samples[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
+
+    def stream(self, concurrency: int = 256) -> RolloutStream:
+        """Concurrent per-group /generate calls, at most `concurrency` at once (stream.py)."""
+        if self.asleep:
+            raise EngineStateError(f"SGLang engine {self.url} is asleep: call wake() before stream()")
+        return SGLangStream(self, concurrency)
 
     def abort(self) -> None:
         self._abort.set()
@@ -192,17 +185,57 @@ class SGLangEngine(SGLangServer, RolloutEngine):
 
     @property
     def asleep(self) -> bool:
-        return self._asleep
+        return bool(self._released)
 
-    def sleep(self) -> None:
-        if not self._asleep:
+    @property
+    def weights_released(self) -> bool:
+        return "weights" in self._released
+
+    # SGLang's own memory types; a whole release ({} = no tags) frees all of them, the CUDA graphs too
+    SERVER_MEMORY_TYPES = ("weights", "kv_cache", "cuda_graph")
+
+    def sleep(self, tags: Sequence[str] | None = None) -> None:
+        """/release_memory_occupation: everything (tags=None), or only the tagged regions."""
+        new = set(check_tags(tags)) - self._released
+        if not new:
+            return
+        if tags is None or not self._tags_ok:
             self.post("/release_memory_occupation", {}, timeout=600)
-            self._asleep = True
+            self._released = set(self.SERVER_MEMORY_TYPES)
+            return
+        self.post("/release_memory_occupation", {"tags": sorted(new)}, timeout=600)
+        self._released |= new
 
-    def wake(self) -> None:
-        if self._asleep:
-            self.post("/resume_memory_occupation", {}, timeout=600)
-            self._asleep = False
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """/resume_memory_occupation of `tags` (None: everything still released). A server that refuses
+        tags gets one whole resume instead (the old, weights-and-KV-together protocol)."""
+        todo = (set(self._released) if tags is None else set(check_tags(tags))) & self._released
+        if not todo:
+            return
+        if self._tags_ok and todo != set(self.SERVER_MEMORY_TYPES):
+            try:
+                self.post("/resume_memory_occupation", {"tags": sorted(todo)}, timeout=600)
+                self._released -= todo
+                return
+            except SGLangServerError:
+                if self.dead_reason() is not None:
+                    raise
+                self._tags_ok = False
+        self.post("/resume_memory_occupation", {}, timeout=600)
+        self._released.clear()
+
+    def resident_bytes(self) -> dict[str, int]:
+        """SGLang's own sizes of its weights and KV pool (/server_info memory_usage, GB at load time),
+        0 for the released ones; {} when the server does not report them."""
+        if self._memory_sizes is None:
+            try:
+                info = self.call("GET", "/server_info", None, timeout=60)
+                usage = info["internal_states"][0]["memory_usage"]
+                self._memory_sizes = {"weights": max(int(usage["weight"] * 2**30), 0),
+                                      "kv_cache": max(int(usage["kvcache"] * 2**30), 0)}
+            except (SGLangServerError, KeyError, IndexError, TypeError):
+                self._memory_sizes = {}
+        return {tag: 0 if tag in self._released else n for tag, n in self._memory_sizes.items()}
 
     # ------------------------------------------------------------------------- weight updates
 
@@ -232,8 +265,9 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         transport = transport or self.cfg.weight_sync
         if transport not in ("tensor", "distributed", "disk"):
             raise ValueError(f"unknown weight transport {transport!r} (tensor, distributed, disk)")
-        if self._asleep and self.device == "cuda":
-            raise EngineStateError(f"SGLang engine {self.url} is asleep: wake() it before update_weights()")
+        if self.weights_released and self.device == "cuda":
+            raise EngineStateError(f"SGLang engine {self.url}: its weights are released: wake() them before "
+                                   "update_weights()")
         version = str(next(self._versions))
         stats = WeightUpdateStats(transport=transport)
         start = time.perf_counter()

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import Iterable
@@ -100,19 +101,22 @@ def start_job_servers(model_path: str | Path, cfg: SGLangConfig, **engine_kwargs
     port base_port + n * num_servers + k). Global rank 0 gets one engine over all of them: its own node's
     with cfg.weight_sync, the other nodes' attached, with weight updates broadcast over the network
     ("distributed", one shared group for all of them: BroadcastServers; "disk" stays disk). A server
-    that fails to start fails every rank, naming it."""
+    that fails to start fails every rank, naming it. The servers take one API key per job (rank 0's,
+    `--api-key`), sent with every request: nothing else on the network can drive them."""
     import torch.distributed as dist
 
     from megatron_dapo import parallel
 
     env = parallel.launch_env()
+    engine_kwargs.setdefault("api_key", secrets.token_urlsafe(32))  # this job's; every request carries it
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return JobServers(launch_servers(model_path, cfg, **engine_kwargs), [])
     rank, world = dist.get_rank(), dist.get_world_size()
     nodes: list[Any] = [None] * world
-    dist.all_gather_object(nodes, (env.node_rank, node_address()))
-    multi_node = len({n for n, _ in nodes}) > 1
-    leader = rank == min(r for r, (n, _) in enumerate(nodes) if n == env.node_rank)
+    dist.all_gather_object(nodes, (env.node_rank, node_address(), engine_kwargs["api_key"]))
+    engine_kwargs["api_key"] = nodes[0][2]  # rank 0's key for every server of the job
+    multi_node = len({n for n, _, _ in nodes}) > 1
+    leader = rank == min(r for r, (n, _, _) in enumerate(nodes) if n == env.node_rank)
     host = nodes[rank][1] if multi_node else "127.0.0.1"
     owned: list[SGLangEngine] = []
     report: Any = None
@@ -168,7 +172,7 @@ class BroadcastServers(EngineGroup):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream HF-named tensors to every server: one broadcast per bucket, then flush their caches."""
-        if self._group.device == "cuda" and any(s.asleep for s in self.servers):
+        if self._group.device == "cuda" and any(s.weights_released for s in self.servers):
             raise EngineStateError(f"SGLang servers {self.url}: wake() them before update_weights()")
         checked = self.servers[0].checked_weights(named_tensors)  # same checkpoint: same names and shapes
         version = str(next(self._versions))

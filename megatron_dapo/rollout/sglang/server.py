@@ -87,8 +87,11 @@ class SGLangServer:
         kill_with_parent: bool = True,
         wait: bool = True,
         attach: bool = False,
+        api_key: str | None = None,
     ) -> None:
         self.cfg = cfg or SGLangConfig()
+        self.api_key = api_key
+        """Sent as `Authorization: Bearer` with every request; a started server gets `--api-key`."""
         self.model_path = str(model_path)
         self.python = python or default_python()
         self.host = host
@@ -156,6 +159,8 @@ class SGLangServer:
                 cmd.append("--enable-memory-saver")
         if max_total_tokens is not None:
             cmd += ["--max-total-tokens", str(max_total_tokens)]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
         return cmd + user
 
     def _server_env(self) -> dict[str, str]:
@@ -170,8 +175,11 @@ class SGLangServer:
     def _start(self) -> None:
         if port_in_use(self.host, self.port):
             raise SGLangServerError(f"cannot start SGLang server at {self.url}: the port is already in use")
-        with open(self.log_path, "wb") as log:
-            log.write(("$ " + shlex.join(self._cmd) + "\n").encode())
+        # the log shows the server's arguments: readable by its owner only when they hold a key
+        with os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if self.api_key else 0o644),
+                       "wb") as log:
+            shown = [("<api key>" if self.api_key and a == self.api_key else a) for a in self._cmd]
+            log.write(("$ " + shlex.join(shown) + "\n").encode())
             log.flush()
             self._proc = subprocess.Popen(
                 self._cmd,
@@ -273,9 +281,10 @@ class SGLangServer:
 
     def _http(self, method: str, path: str, body: Any, timeout: float) -> tuple[int, bytes]:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, r.read()

@@ -1,0 +1,182 @@
+"""Evaluate a policy on its own: k samples per prompt -> avg@k, pass@k, maj@k (the code the trainer's
+validation runs, loop/evaluation.py).
+
+    python -m megatron_dapo.evaluate --model checkpoints/tiny_cpu/hf_final \\
+        --data "builtin:arithmetic?n=256&seed=12345" --n 32 --temperature 1.0 --top-p 0.7 \\
+        [--max-prompts 100] [--max-response-len 1024] [--engine embedded|sglang] [--out results.jsonl] \\
+        [--config run.yaml] [section.key=value ...]
+
+--model: a Hugging Face folder, or a Megatron checkpoint (a step_<N>/ folder, or a run folder of them:
+the newest complete one), converted in this process to a temporary HF folder first.
+--data: a dataset path or builtin:... spec, as data.val_path.
+Everything else that shapes a prompt or a score comes from --config and overrides, as in training:
+data.prompt_template / system_prompt / few_shot_path, model.chat_template, reward.name /
+answer_fallback; flags win over the config. Rewards are the verifier's score (no overlong term).
+
+Output: a progress bar (stderr), one JSON record per prompt in --out (default
+runs/eval/<model>.jsonl), and ONE JSON summary line on stdout. Exit 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from megatron_dapo.cli import UserError, quiet_third_party, run_cli
+from megatron_dapo.config import Config, ConfigError, load_config
+
+PROG = "evaluate"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, type=Path, help="HF folder or Megatron checkpoint (folder)")
+    p.add_argument("--data", required=True, help="dataset file or builtin:... spec")
+    p.add_argument("--n", type=int, help="samples per prompt, k of avg@k (default eval.n_samples: 32)")
+    p.add_argument("--temperature", type=float, help="default eval.temperature (1.0)")
+    p.add_argument("--top-p", type=float, help="default eval.top_p (0.7)")
+    p.add_argument("--max-prompts", type=int, help="evaluate the first N prompts only")
+    p.add_argument("--max-response-len", type=int, help="default rollout.max_response_len")
+    p.add_argument("--engine", choices=("embedded", "sglang"), help="default rollout.engine (embedded)")
+    p.add_argument("--seed", type=int, help="sampling seed (default train.seed)")
+    p.add_argument("--chunk", type=int, default=16, help="prompts per generation call (progress granularity)")
+    p.add_argument("--out", type=Path, help="per-prompt jsonl (default runs/eval/<model>.jsonl)")
+    p.add_argument("--config", help="YAML config whose data / model / reward / eval settings apply")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.prompt_template=dapo_math")
+    return p
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    """--config + overrides, then the flags; the overlong term is off (evaluation scores answers)."""
+    flags = {"eval.n_samples": args.n, "eval.temperature": args.temperature, "eval.top_p": args.top_p,
+             "eval.max_prompts": args.max_prompts, "rollout.max_response_len": args.max_response_len,
+             "rollout.engine": args.engine, "train.seed": args.seed}
+    overrides = [*args.overrides, "reward.soft_overlong_punishment=false", f"data.val_path={args.data}",
+                 *(f"{k}={v}" for k, v in flags.items() if v is not None)]
+    try:
+        return load_config(args.config, overrides)
+    except ConfigError as e:
+        raise UserError(str(e)) from e
+
+
+def is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+@contextlib.contextmanager
+def hf_model(path: Path) -> Iterator[Path]:
+    """`path` itself for an HF folder; a Megatron checkpoint converted to a temporary HF folder."""
+    if is_hf_folder(path):
+        yield path
+        return
+    if not path.is_dir():
+        raise UserError(f"--model {path}: no such folder")
+    from megatron_dapo.actor import convert
+
+    with tempfile.TemporaryDirectory(prefix="dapo-eval-") as tmp:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the summary line only
+            cfg = convert.ToHF(load=path, save=Path(tmp) / "hf", quiet=True)
+            plan = convert.prepare_to_hf(cfg, PROG)
+            print(f"{PROG}: converting the Megatron checkpoint {plan.ckpt} to Hugging Face format")
+            code = convert.megatron_to_hf(cfg, plan, PROG)
+        if code != 0:
+            raise UserError(f"--model {path}: conversion failed")
+        yield plan.out
+
+
+@contextlib.contextmanager
+def open_engine(cfg: Config, hf_dir: Path) -> Iterator[Any]:
+    import torch
+
+    if cfg.rollout.engine == "sglang":
+        from megatron_dapo.rollout.sglang.fleet import start_job_servers
+
+        dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+        servers = start_job_servers(hf_dir, cfg.rollout.sglang, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+                                    dtype=dtype)
+        try:
+            yield servers.engine
+        finally:
+            servers.shutdown()
+        return
+    from megatron_dapo.rollout.embedded import EmbeddedEngine
+
+    gpu = torch.cuda.is_available()
+    engine = EmbeddedEngine(hf_dir, device="cuda" if gpu else "cpu", dtype=torch.bfloat16 if gpu else torch.float32)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def load_eval_prompts(cfg: Config) -> list[Any]:
+    from megatron_dapo.data import PromptFormat, load_prompts
+
+    d = cfg.data
+    try:
+        fmt = PromptFormat.from_files(d.prompt_template, d.system_prompt, d.few_shot_path)
+        loaded = load_prompts(d.val_path, max_prompt_chars=d.max_prompt_chars, limit=cfg.eval.max_prompts,
+                              prompt_format=fmt)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from e
+    print(f"{PROG}: {loaded.summary()}", file=sys.stderr)
+    if not loaded.prompts:
+        raise UserError(f"--data {d.val_path}: no usable prompt")
+    return loaded.prompts
+
+
+def run(cfg: Config, hf_dir: Path, chunk: int) -> Any:
+    """Generate and score with a progress bar; returns the EvalResult."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from megatron_dapo.data.render import use_chat_template
+    from megatron_dapo.loop.collect import eval_sampling
+    from megatron_dapo.loop.evaluation import EvalResult, generate_and_score
+    from megatron_dapo.reward import RewardLoadError, Scorer
+
+    try:
+        scorer = Scorer(cfg.reward, cfg.rollout.max_response_len)
+    except RewardLoadError as e:
+        raise UserError(str(e)) from e
+    prompts = load_eval_prompts(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    print(f"{PROG}: chat template: {use_chat_template(tokenizer, cfg.model.chat_template)}", file=sys.stderr)
+    eos = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
+    t0 = time.perf_counter()
+    with open_engine(cfg, hf_dir) as engine, tqdm(total=len(prompts), desc="evaluate", unit="prompt",
+                                                  file=sys.stderr, dynamic_ncols=True) as bar:
+        groups = generate_and_score(engine, tokenizer, prompts, cfg.eval.n_samples, eval_sampling(cfg, eos), scorer,
+                                    chunk=chunk, on_chunk=bar.update)
+    return EvalResult(groups, cfg.eval.n_samples, seconds=time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_intermixed_args(argv)
+    quiet_third_party()
+    cfg = resolve_config(args)
+    out = args.out or Path("runs") / "eval" / f"{args.model.resolve().name}.jsonl"
+    with hf_model(args.model) as hf_dir:
+        result = run(cfg, hf_dir, args.chunk)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in result.prompt_records())
+    summary = {"model": str(args.model), "data": cfg.data.val_path, "n": cfg.eval.n_samples,
+               "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p, **result.summary(),
+               "seconds": round(result.seconds, 3), "per_prompt": str(out)}
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    from megatron_dapo.actor.convert_checks import USER_ERRORS
+
+    sys.exit(run_cli(PROG, main, user_errors=USER_ERRORS))

@@ -1,0 +1,138 @@
+"""Evaluation with k samples per prompt: avg@k, pass@k and maj@k, one JSON record per prompt.
+
+The in-training validation (`collect.evaluate`) and `python -m megatron_dapo.evaluate` both run
+`generate_and_score` + `EvalResult`, so a number from one means the same as from the other.
+
+- avg@k: mean accuracy over all k samples of all prompts (the paper's avg@32).
+- pass@j: chance that at least one of j samples drawn without replacement from a prompt's k is
+  correct, by the unbiased estimator of Chen et al. 2021, 1 - C(k-c, j) / C(k, j), averaged over
+  prompts; reported for j = 1, 2, 4, ... < k and j = k (pass@1 = avg@k).
+- maj@k: the most frequent extracted answer (ties: the one seen first; samples with none do not
+  vote) is correct.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_dapo.data.render import decode_response, render_prompt_ids
+from megatron_dapo.reward.scorer import Scorer
+from megatron_dapo.rollout.base import RolloutEngine, SamplingParams
+from megatron_dapo.types import Group, Prompt, Sample
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021, eq. 1),
+    in exact integer arithmetic up to the final division."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    total = math.comb(n, k)
+    return (total - math.comb(n - c, k)) / total
+
+
+def pass_ks(n: int) -> list[int]:
+    """The j of the reported pass@j: powers of two below n, and n."""
+    return [2**i for i in range(max(n - 1, 0).bit_length()) if 2**i < n] + [n]
+
+
+def majority(samples: Sequence[Sample]) -> tuple[str | None, bool]:
+    """(the majority answer, whether it is correct); (None, False) when no sample has an answer."""
+    votes = Counter(s.pred for s in samples if s.pred is not None)
+    if not votes:
+        return None, False
+    pred = votes.most_common(1)[0][0]
+    return pred, any(s.acc for s in samples if s.pred == pred)
+
+
+def score_group(group: Group, tokenizer: Any, scorer: Scorer) -> None:
+    """Decode every response of the group and score it in place (reward, acc, pred)."""
+    for s in group.samples:
+        s.response_text = decode_response(tokenizer, s.response_ids)
+        scorer.score(s, group.prompt.ground_truth)
+
+
+def generate_groups(engine: RolloutEngine, tokenizer: Any, prompts: Sequence[Prompt], n: int,
+                    sampling: SamplingParams) -> list[Group]:
+    ids = [render_prompt_ids(tokenizer, p) for p in prompts]
+    return [Group(prompt=p, samples=s) for p, s in zip(prompts, engine.generate(ids, n, sampling))]
+
+
+def generate_and_score(engine: RolloutEngine, tokenizer: Any, prompts: Sequence[Prompt], n: int,
+                       sampling: SamplingParams, scorer: Scorer, *, chunk: int = 0,
+                       on_chunk: Callable[[int], None] | None = None) -> list[Group]:
+    """n scored samples per prompt; `chunk` > 0 generates that many prompts per engine call and reports
+    each finished chunk's size to `on_chunk` (a progress bar)."""
+    size = chunk if chunk > 0 else max(len(prompts), 1)
+    groups: list[Group] = []
+    for start in range(0, len(prompts), size):
+        part = generate_groups(engine, tokenizer, prompts[start:start + size], n, sampling)
+        for g in part:
+            score_group(g, tokenizer, scorer)
+        groups += part
+        if on_chunk is not None:
+            on_chunk(len(part))
+    return groups
+
+
+@dataclass
+class EvalResult:
+    """Scored groups of one evaluation and their metrics."""
+
+    groups: list[Group]
+    n: int
+    seconds: float = 0.0
+    ks: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ks = pass_ks(self.n)
+
+    def summary(self) -> dict[str, float]:
+        """{avg@n, pass@j..., maj@n, response_length_mean, truncated_frac, prompts, samples}."""
+        samples = [s for g in self.groups for s in g.samples]
+        out = {f"avg@{self.n}": _mean([float(s.acc) for s in samples])}
+        for k in self.ks:
+            out[f"pass@{k}"] = _mean([pass_at_k(len(g.samples), g.num_correct, k) for g in self.groups])
+        out[f"maj@{self.n}"] = _mean([float(majority(g.samples)[1]) for g in self.groups])
+        out["response_length_mean"] = _mean([s.response_len for s in samples])
+        out["truncated_frac"] = _mean([float(s.truncated) for s in samples])
+        out["prompts"], out["samples"] = float(len(self.groups)), float(len(samples))
+        return out
+
+    def val_scalars(self) -> dict[str, float]:
+        """The in-training monitors: val/acc_avg_at_k, val/pass_at_k, val/maj_at_k, val/response_length_mean."""
+        s = self.summary()
+        return {"val/acc_avg_at_k": s[f"avg@{self.n}"], "val/pass_at_k": s[f"pass@{self.n}"],
+                "val/maj_at_k": s[f"maj@{self.n}"], "val/response_length_mean": s["response_length_mean"]}
+
+    def prompt_records(self) -> list[dict[str, Any]]:
+        """One JSON-able record per prompt: its counts, metrics and every response."""
+        rows = []
+        for g in self.groups:
+            pred, maj_ok = majority(g.samples)
+            rows.append({
+                "uid": g.prompt.uid, "data_source": g.prompt.data_source, "prompt": g.prompt.messages[-1]["content"],
+                "ground_truth": g.prompt.ground_truth, "n": len(g.samples), "correct": g.num_correct,
+                "avg": g.num_correct / max(len(g.samples), 1), "maj_pred": pred, "maj_correct": maj_ok,
+                **{f"pass@{k}": pass_at_k(len(g.samples), g.num_correct, k) for k in self.ks if k <= len(g.samples)},
+                "responses": [{"response": s.response_text, "pred": s.pred, "acc": s.acc, "reward": s.reward,
+                               "length": s.response_len, "finish_reason": s.finish_reason} for s in g.samples]})
+        return rows
+
+
+def sample_records(groups: Sequence[Group], tokenizer: Any, limit: int, step: int, split: str) -> list[dict[str, Any]]:
+    """Up to `limit` samples for a human to read, spread over groups (sample i of every group, then i+1)."""
+    width = max((len(g.samples) for g in groups), default=0)
+    picked = [(g, g.samples[i]) for i in range(width) for g in groups if i < len(g.samples)][:max(limit, 0)]
+    return [{"step": step, "split": split, "uid": g.prompt.uid,
+             "prompt": tokenizer.decode(list(s.prompt_ids), skip_special_tokens=False),
+             "response": s.response_text, "ground_truth": g.prompt.ground_truth, "pred": s.pred,
+             "reward": s.reward, "acc": bool(s.acc), "length": s.response_len, "finish_reason": s.finish_reason}
+            for g, s in picked]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

@@ -1,0 +1,54 @@
+"""The run's training and validation prompts: the dataset files through the prompt template, with the
+rows that cannot be used (malformed, too long in characters or in rendered tokens) skipped and counted."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from megatron_dapo.config import Config
+from megatron_dapo.data import PromptFormat, load_prompts
+from megatron_dapo.data.datasets import LoadResult
+from megatron_dapo.data.render import render_prompt_ids
+from megatron_dapo.loop.preflight import SetupError
+from megatron_dapo.loop.startup import StartupReport
+from megatron_dapo.types import Prompt
+
+log = logging.getLogger(__name__)
+
+
+def _load(path: str, cfg: Config, tokenizer: Any, fmt: PromptFormat | None, **kw: Any) -> LoadResult:
+    """Prompts of `path`; those longer than rollout.max_prompt_len tokens, rendered the way the rollout
+    renders them, are skipped and counted."""
+    try:
+        return load_prompts(path, max_prompt_chars=cfg.data.max_prompt_chars,
+                            max_prompt_tokens=cfg.rollout.max_prompt_len,
+                            count_tokens=lambda p: len(render_prompt_ids(tokenizer, p)), prompt_format=fmt, **kw)
+    except (FileNotFoundError, ValueError) as e:
+        raise SetupError(str(e)) from e
+
+
+def _note(report: StartupReport | None, line: str) -> None:
+    if report is not None:
+        report.data.append(line)
+    else:
+        log.info(line)
+
+
+def load_train_prompts(cfg: Config, tokenizer: Any, fmt: PromptFormat | None = None,
+                       report: StartupReport | None = None) -> LoadResult:
+    loaded = _load(cfg.data.train_path, cfg, tokenizer, fmt)
+    _note(report, f"training prompts: {loaded.summary()}")
+    if not loaded.prompts:
+        raise SetupError(f"data.train_path={cfg.data.train_path!r}: no usable prompt ({loaded.summary()})")
+    return loaded
+
+
+def load_val_prompts(cfg: Config, tokenizer: Any, fmt: PromptFormat | None = None,
+                     report: StartupReport | None = None) -> list[Prompt]:
+    if not cfg.data.val_path:
+        _note(report, "validation prompts: none (data.val_path unset)")
+        return []
+    loaded = _load(cfg.data.val_path, cfg, tokenizer, fmt, limit=cfg.eval.max_prompts)
+    _note(report, f"validation prompts: {loaded.summary()}")
+    return loaded.prompts

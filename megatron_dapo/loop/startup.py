@@ -1,0 +1,76 @@
+"""What a run says before its first step: which model, how it is laid out, where its weights came from,
+how prompts are rendered and scored, and what data it read. One block in the log, on the driver rank."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megatron_dapo import parallel
+from megatron_dapo.config import Config
+from megatron_dapo.config.model_checks import read_model_config
+from megatron_dapo.hf_files import HFCheckpointError, hf_tensor_table
+
+
+def hf_parameter_count(hf_dir: str) -> int | None:
+    """Parameters stored in hf_dir's safetensors (headers only; a tied lm_head counted once)."""
+    try:
+        return sum(math.prod(info.shape) for info in hf_tensor_table(hf_dir).values())
+    except HFCheckpointError:
+        return None
+
+
+def _count(n: int | None) -> str:
+    if n is None:
+        return "? parameters"
+    return f"{n / 1e9:.2f}B parameters" if n >= 1e9 else f"{n / 1e6:.2f}M parameters"
+
+
+@dataclass
+class StartupReport:
+    """Collected while the run is built; `lines()` is the start-up summary."""
+
+    cfg: Config
+    chat_template: str = ""
+    system_prompt: str = ""
+    engine: str = ""
+    data: list[str] = field(default_factory=list)
+    resumed_from: str | None = None
+
+    def lines(self) -> list[str]:
+        cfg, model = self.cfg, read_model_config(self.cfg.model.hf_dir) or {}
+        arch = (model.get("architectures") or ["?"])[0]
+        tp, pp = parallel.tp_size(), parallel.pp_size()
+        a = cfg.actor
+        weights = f"model.load={cfg.model.load} (architecture and tokenizer from model.hf_dir={cfg.model.hf_dir})" \
+            if cfg.model.load else f"model.hf_dir={cfg.model.hf_dir}"
+        if self.resumed_from:
+            weights += f"; resumed from {self.resumed_from}"
+        reward = cfg.reward.name + (f" (answer_fallback={cfg.reward.answer_fallback})"
+                                    if cfg.reward.name == "math_dapo" else f" (timeout {cfg.reward.timeout_s:g} s)")
+        return [
+            f"model: {model.get('model_type', '?')} ({arch}), {_count(hf_parameter_count(cfg.model.hf_dir))}, "
+            f"vocab {model.get('vocab_size', '?')}",
+            f"layout: TP={tp} x PP={pp} x DP={parallel.dp_size()} (world {parallel.world_size()}); micro-batches "
+            f"{a.micro_batch_tokens} / {a.logprob_micro_batch_tokens} tokens (train / pi_old)",
+            f"weights: {weights}",
+            f"rollout engine: {self.engine}",
+            f"chat template: {self.chat_template}",
+            f"system prompt: {self.system_prompt}",
+            f"prompt template: {cfg.data.prompt_template}" + (f", few-shot examples from {cfg.data.few_shot_path}"
+                                                               if cfg.data.few_shot_path else ""),
+            f"reward: {reward}",
+            *self.data,
+        ]
+
+
+def system_prompt_note(configured: str | None, template_default: str | None) -> tuple[str, bool]:
+    """(what the system prompt is, whether to warn): a template's silent default is worth a warning."""
+    if configured is not None:
+        return f"{configured!r} (data.system_prompt)", False
+    if template_default:
+        return (f"{template_default!r}, inserted by the chat template into every prompt without a system "
+                "message (set data.system_prompt to replace it)"), True
+    if template_default == "":
+        return "an empty system turn, inserted by the chat template", False
+    return "none", False

@@ -1,0 +1,205 @@
+"""One step's streaming rollout (`rollout.streaming`): dynamic sampling on a stream of groups.
+
+Groups are submitted to the engine's `RolloutStream` and come back one by one as their G samples are
+done. Each is scored on arrival and kept if informative; the stream is kept topped up to
+`gen_batch_multiplier x missing / kept fraction` groups in flight (at most `rollout.max_inflight_groups`;
+the fraction is Laplace-smoothed over this step's finished groups); as soon as N groups are kept the
+rest is aborted. The step's group budget is `algo.max_gen_rounds` rounds' worth:
+max_gen_rounds x ceil(N x gen_batch_multiplier) groups. With dynamic sampling off exactly N groups run,
+all kept.
+
+Reproducibility: group g of step s has the g-th prompt the data iterator gives that step and sampling
+seed f(train.seed, step, g), so its samples are a pure function of (seed, step, g) whatever finishes
+first (engines permitting: see rollout/continuous.py and rollout/sglang/stream.py). WHICH groups are
+kept (the first N informative to finish), and so how far the data iterator advances, follows completion
+order: on the embedded engine that order is itself deterministic (its stream is one synchronous decode
+loop), on SGLang servers it is timing. Aborted groups' prompts are consumed, as in slime. Groups that
+finish early are favoured: over-sampled long responses are the ones aborted (partial rollout, which
+would continue them next step, is not implemented).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats, is_informative
+from megatron_dapo.config import AlgoConfig, Config
+from megatron_dapo.config.schema import FilterMetric, OnExhausted
+from megatron_dapo.data.render import render_prompt_ids
+from megatron_dapo.loop.collect import StepRollout, seed_of
+from megatron_dapo.loop.evaluation import score_group
+from megatron_dapo.reward.scorer import Scorer
+from megatron_dapo.rollout.base import AbortReport, GroupRequest, RolloutEngine, SamplingParams
+from megatron_dapo.types import Group, Prompt
+
+log = logging.getLogger(__name__)
+_KEPT_FRAC_FLOOR = 0.1
+
+
+@dataclass(kw_only=True)
+class StreamPlan:
+    """How many groups to keep, start, have in flight and spend at most in one step."""
+
+    target_groups: int
+    first: int
+    """Groups in flight before any has finished."""
+    oversample: float = 1.0
+    """In flight = oversample x missing / kept fraction."""
+    max_inflight: int
+    max_groups: int
+    """The step's group budget."""
+    dynamic_sampling: bool = True
+    metric: FilterMetric = "acc"
+    on_exhausted: OnExhausted = "train_partial"
+
+    @classmethod
+    def from_config(cls, algo: AlgoConfig, target_groups: int, max_inflight_groups: int = 0) -> StreamPlan:
+        first = math.ceil(target_groups * algo.gen_batch_multiplier)
+        if not algo.dynamic_sampling:
+            return cls(target_groups=target_groups, first=target_groups, max_inflight=target_groups,
+                       max_groups=target_groups, dynamic_sampling=False)
+        return cls(target_groups=target_groups, first=first, oversample=algo.gen_batch_multiplier,
+                   max_inflight=max_inflight_groups or 2 * first, max_groups=algo.max_gen_rounds * first,
+                   metric=algo.filter_metric, on_exhausted=algo.on_rounds_exhausted)
+
+    def inflight(self, kept: int, seen: int, informative: int) -> int:
+        """Groups that should be in flight now."""
+        if seen == 0:
+            want = self.first
+        else:
+            frac = max((informative + 1) / (seen + 2), _KEPT_FRAC_FLOOR)
+            want = math.ceil(self.oversample * (self.target_groups - kept) / frac)
+        return min(want, self.max_inflight)
+
+
+@dataclass
+class StreamStats:
+    submitted: int = 0
+    aborted_groups: int = 0
+    wasted_tokens: int = 0
+    """Tokens generated for groups that were aborted (partial, or finished but not collected)."""
+    generated_tokens: int = 0
+    first_kept_s: float = math.nan
+    """Seconds from the step's start to its first kept group."""
+
+
+@dataclass
+class StreamRollout(StepRollout):
+    stream: StreamStats = field(default_factory=StreamStats)
+
+
+class RolloutStepError(RuntimeError):
+    """The engine failed mid-stream; `partial` holds everything the step had received and kept."""
+
+    def __init__(self, message: str, partial: StreamRollout) -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
+def group_sampling(cfg: Config, step: int, group: int, eos_ids: tuple[int, ...]) -> SamplingParams:
+    """Training-rollout sampling of group `group` of step `step`; its seed is a pure function of both."""
+    return SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                          max_new_tokens=cfg.rollout.max_response_len, stop_token_ids=eos_ids,
+                          seed=seed_of(cfg.train.seed, "train", step, "group", group))
+
+
+def collect_stream(engine: RolloutEngine, tokenizer, next_prompts: Callable[[int], list[Prompt]], *,
+                   target_groups: int, algo: AlgoConfig, scorer: Scorer,
+                   sampling: Callable[[int], SamplingParams], max_inflight_groups: int = 0) -> StreamRollout:
+    """The streaming counterpart of collect_step; `sampling(g)` gives group g's sampling (and seed)."""
+
+    def request(g: int) -> tuple[Prompt, GroupRequest]:
+        prompt = next_prompts(1)[0]
+        ids = render_prompt_ids(tokenizer, prompt)
+        return prompt, GroupRequest(key=g, prompt_ids=ids, n=algo.group_size, sampling=sampling(g))
+
+    out = stream_groups(engine, request, lambda g: score_group(g, tokenizer, scorer),
+                        StreamPlan.from_config(algo, target_groups, max_inflight_groups))
+    out.reward_failures = scorer.take_failures()
+    return out
+
+
+def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, GroupRequest]],
+                  score: Callable[[Group], None], plan: StreamPlan) -> StreamRollout:
+    """Stream groups `request(0), request(1), ...` through `engine` until `plan` is met (module docstring)."""
+    t0 = time.perf_counter()
+    out = StreamRollout(groups=[], stats=DynamicSamplingStats(0, 0, 0, 0.0, False))
+    prompts: dict[int, Prompt] = {}
+    informative = 0
+    with engine.stream() as stream:
+        try:
+            while len(out.groups) < plan.target_groups:
+                wanted = plan.inflight(len(out.groups), len(out.generated), informative) - stream.pending
+                batch = []
+                for _ in range(max(0, min(wanted, plan.max_groups - out.stream.submitted))):
+                    prompt, req = request(out.stream.submitted)
+                    prompts[req.key] = prompt
+                    batch.append(req)
+                    out.stream.submitted += 1
+                if batch:
+                    stream.submit(batch)
+                if not stream.pending:
+                    break  # the group budget is spent
+                result = stream.next()
+                group = Group(prompt=prompts.pop(result.key), samples=result.samples)
+                t = time.perf_counter()
+                score(group)
+                out.reward_seconds += time.perf_counter() - t
+                out.generated.append(group)
+                out.stream.generated_tokens += result.tokens
+                ok = is_informative(group, plan.metric)
+                informative += ok
+                if ok or not plan.dynamic_sampling:
+                    out.groups.append(group)
+                    if len(out.groups) == 1:
+                        out.stream.first_kept_s = time.perf_counter() - t0
+        except Exception as e:
+            _finish(out, stream.abort(), informative, plan, exhausted_ok=True)
+            raise RolloutStepError(
+                f"streaming rollout failed after keeping {len(out.groups)}/{plan.target_groups} groups "
+                f"({len(out.generated)} finished, {out.stream.submitted} submitted): {e}", out) from e
+        _finish(out, stream.abort(), informative, plan)
+    out.generate_seconds = time.perf_counter() - t0 - out.reward_seconds
+    return out
+
+
+def _finish(out: StreamRollout, report: AbortReport, informative: int, plan: StreamPlan,
+            exhausted_ok: bool = False) -> None:
+    out.stream.aborted_groups = len(report.keys)
+    out.stream.wasted_tokens = report.tokens
+    out.stream.generated_tokens += report.tokens
+    seen = len(out.generated)
+    exhausted = plan.dynamic_sampling and len(out.groups) < plan.target_groups
+    out.stats = DynamicSamplingStats(rounds=math.ceil(out.stream.submitted / plan.first), groups_seen=seen,
+                                     groups_kept=len(out.groups), exhausted=exhausted,
+                                     kept_frac=informative / seen if seen else 0.0)
+    if exhausted and not exhausted_ok:
+        msg = (f"dynamic sampling kept {len(out.groups)}/{plan.target_groups} informative groups after "
+               f"{out.stream.submitted}/{plan.max_groups} streamed groups ({seen} finished, kept fraction "
+               f"{out.stats.kept_frac:.3f})")
+        if plan.on_exhausted == "error":
+            raise RuntimeError(msg)
+        log.warning("%s; training on the partial batch", msg)
+
+
+def rollout_cost_scalars(rollout: StepRollout, algo: AlgoConfig) -> dict[str, float]:
+    """rollout/{aborted_groups,wasted_tokens,generated_tokens} in both modes, plus rollout/first_kept_s when
+    streaming kept a group. Rounds waste the groups generated and trimmed beyond N (informative ones, or
+    any with dynamic sampling off); streaming wastes what it aborted."""
+    if isinstance(rollout, StreamRollout):
+        s = rollout.stream
+        out = {"rollout/aborted_groups": float(s.aborted_groups),
+               "rollout/wasted_tokens": float(s.wasted_tokens),
+               "rollout/generated_tokens": float(s.generated_tokens)}
+        return out if math.isnan(s.first_kept_s) else {**out, "rollout/first_kept_s": s.first_kept_s}
+    kept = {id(g) for g in rollout.groups}
+    surplus = [g for g in rollout.generated if id(g) not in kept
+               and (is_informative(g, algo.filter_metric) or not algo.dynamic_sampling)]
+    return {"rollout/aborted_groups": 0.0,
+            "rollout/wasted_tokens": float(sum(s.response_len for g in surplus for s in g.samples)),
+            "rollout/generated_tokens": float(sum(s.response_len for g in rollout.generated
+                                                  for s in g.samples))}

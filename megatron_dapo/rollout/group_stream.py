@@ -1,0 +1,147 @@
+"""Streaming over several engines (an `EngineGroup`): one stream per engine behind one `RolloutStream`.
+
+A submitted group goes to the live engine with the fewest pending groups per unit of weight (its
+share: e.g. a nested group's size), so a server that finishes groups faster receives more. One thread
+per engine waits on that engine's stream and forwards its finished groups, so `next()` returns
+whichever engine finishes first. A group's samples depend on its request only, not on the engine it
+lands on (per-group seeds). An engine's failure is raised by `next()` as `EngineGroupFailure`, naming
+the engine, once the groups that finished before it are delivered; that engine receives no more
+groups, and `abort()` still cancels everywhere (and logs a failure that next() never raised).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from contextlib import suppress
+
+from megatron_dapo.rollout.base import (
+    AbortReport,
+    EngineStateError,
+    GenerationAborted,
+    GroupRequest,
+    GroupResult,
+    RolloutStream,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EngineGroupFailure(RuntimeError):
+    """An engine of a group failed while streaming; the message names it."""
+
+
+class GroupStream(RolloutStream):
+    """`streams` (one per engine, labelled `names`, sharing by `weights`) as one stream."""
+
+    def __init__(self, streams: Sequence[RolloutStream], names: Sequence[str],
+                 weights: Sequence[int]) -> None:
+        self._streams, self._names, self._weights = list(streams), list(names), list(weights)
+        self._cond = threading.Condition()
+        self._owner: dict[int, int] = {}  # pending group -> its engine
+        self._owed = [0] * len(self._streams)  # groups engine k still has to deliver
+        self._busy = [False] * len(self._streams)  # engine k's thread is inside its stream's next()
+        self._failed: set[int] = set()
+        self._errors: list[tuple[int, BaseException]] = []  # engine failures next() has yet to raise
+        self._ready: dict[int, GroupResult] = {}  # finished groups, in arrival order
+        self._aborting = self._closed = False
+        self._threads = [threading.Thread(target=self._pump, args=(k,), daemon=True, name=f"group-stream-{k}")
+                         for k in range(len(self._streams))]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def pending(self) -> int:
+        return len(self._owner)
+
+    def submit(self, requests: Sequence[GroupRequest]) -> None:
+        keys = [r.key for r in requests]
+        with self._cond:
+            if len(set(keys)) != len(keys) or any(key in self._owner for key in keys):
+                raise ValueError(f"group keys {keys} repeat each other or a pending group")
+            load = list(self._owed)
+            placed: dict[int, list[GroupRequest]] = defaultdict(list)
+            for r in requests:
+                k = self._least_loaded(load)
+                placed[k].append(r)
+                load[k] += 1
+            for k, reqs in placed.items():  # a refused submit leaves the earlier engines' groups pending
+                self._streams[k].submit(reqs)
+                self._owner.update((r.key, k) for r in reqs)
+                self._owed[k] += len(reqs)
+            self._cond.notify_all()
+
+    def next(self) -> GroupResult:
+        with self._cond:
+            if not self._owner:
+                raise EngineStateError("engine group stream: no group is pending")
+            while not self._ready and not self._errors:
+                self._cond.wait()
+            if self._ready:  # groups finished before a failure are delivered first
+                key = next(iter(self._ready))
+                del self._owner[key]
+                return self._ready.pop(key)
+            k, error = self._errors.pop(0)
+        raise EngineGroupFailure(f"streaming failed on rollout engine {self._names[k]}: {error}") from error
+
+    def abort(self) -> AbortReport:
+        with self._cond:
+            self._aborting = True
+            keys = sorted(self._owner)
+        tokens = 0
+        for stream in self._streams:
+            with suppress(Exception):  # a failed engine's stream may not answer: its groups are lost
+                tokens += stream.abort().tokens
+        with self._cond:
+            while any(self._busy):
+                self._cond.wait(timeout=1.0)
+            tokens += sum(item.tokens for item in self._ready.values())
+            for k, error in self._errors:  # not raised: the step ended before it needed that engine
+                log.warning("rollout engine %s failed while streaming: %s", self._names[k], error)
+            self._ready, self._errors, self._owner = {}, [], {}
+            self._owed = [0] * len(self._streams)
+            self._aborting = False
+        return AbortReport(keys=keys, tokens=tokens)
+
+    def close(self) -> None:
+        try:
+            super().close()
+            for stream in self._streams:
+                with suppress(Exception):
+                    stream.close()
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+
+    def _least_loaded(self, load: list[int]) -> int:
+        live = [k for k in range(len(self._streams)) if k not in self._failed]
+        if not live:
+            raise EngineGroupFailure(f"every rollout engine failed: {', '.join(self._names)}")
+        return min(live, key=lambda k: ((load[k] + 1) / self._weights[k], k))
+
+    def _pump(self, k: int) -> None:
+        """Engine k's thread: wait for its groups, forward each as it finishes."""
+        stream = self._streams[k]
+        while True:
+            with self._cond:
+                while not self._closed and (self._owed[k] == 0 or k in self._failed or self._aborting):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                self._busy[k] = True
+            try:
+                item: GroupResult | BaseException = stream.next()
+            except BaseException as e:  # noqa: BLE001 - raised by next(), naming the engine
+                item = e
+            with self._cond:
+                self._busy[k] = False
+                if isinstance(item, GroupResult):
+                    self._owed[k] -= 1
+                    self._ready[item.key] = item
+                elif not (self._aborting and isinstance(item, GenerationAborted)):
+                    self._failed.add(k)
+                    self._errors.append((k, item))
+                self._cond.notify_all()

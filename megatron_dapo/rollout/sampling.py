@@ -1,0 +1,67 @@
+"""Token sampling shared by the embedded engine's decode loops (blocking and streaming).
+
+The reported logprob is log softmax(logits / T) of the sampled token, before top-p truncation (top-p
+uses transformers' TopPLogitsWarper); T = 0 is greedy with the plain log softmax. A token is drawn by
+inverse CDF from one uniform per row: from a torch.Generator (blocking `generate`: one random stream
+per call) or given (streaming: `counter_uniforms`, a pure function of the row's key and position, so
+a row's tokens do not depend on which other rows share its batch).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers.generation.logits_process import TopPLogitsWarper
+
+from megatron_dapo.rollout.base import SamplingParams
+
+_M32 = 0xFFFFFFFF
+
+
+def sample_next(logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None,
+                top_p: TopPLogitsWarper | None = None,
+                uniforms: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Next token per row and its logprob under softmax(logits / T) (pre top-p; T=0: argmax, T=1).
+
+    `uniforms` [B, 1] in [0, 1): the draw of each row; without them, drawn from `generator`.
+    """
+    logits = logits.float()
+    if sampling.greedy:
+        tokens = logits.argmax(-1)
+        logprobs = logits.log_softmax(-1)
+    else:
+        scaled = logits / sampling.temperature
+        logprobs = scaled.log_softmax(-1)
+        probs = top_p(None, scaled).softmax(-1) if top_p is not None else logprobs.exp()
+        tokens = _draw(probs, generator, uniforms)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _draw(probs: Tensor, generator: torch.Generator | None, u: Tensor | None = None) -> Tensor:
+    """One token per row by inverse CDF: one uniform per row (torch.multinomial draws one per
+    vocabulary entry, which made it the costliest op of a small-model decode step)."""
+    cdf = probs.cumsum(-1)
+    if u is None:
+        u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype)
+    # x in (0, total]: the first index with cdf >= x is never a zero-probability token (cut by top-p).
+    x = (1.0 - u.to(cdf.dtype)) * cdf[:, -1:]
+    return torch.searchsorted(cdf, x).squeeze(1)
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """lowbias32 (C. Wellons' hash prospector): a bijection of 32-bit values held in int64; both
+    multipliers are below 2**31, so no product overflows int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def counter_uniforms(keys: Tensor, counters: Tensor) -> Tensor:
+    """A uniform in [0, 1) per row [B, 1], a pure function of (keys[i], counters[i]) (int64 tensors:
+    any 64-bit key, counter in [0, 2**32)); 24 random bits, as torch.rand's float32."""
+    keys = keys.long()
+    h = _mix32(_mix32(keys & _M32) ^ ((keys >> 32) & _M32))
+    h = _mix32(h ^ (counters.long() & _M32))
+    return ((h >> 8).float() * 2.0**-24)[:, None]

@@ -1,0 +1,175 @@
+"""The SGLang engine's streaming rollout: one /generate call per group, at most `concurrency` at once.
+
+Each group is one POST of its n requests (prompt repeated, request k with sampling_seed seed + k and
+request id `<stream>:<key>:<k>`), made from a worker thread through the server's bounded HTTP layer;
+the server batches all of them continuously, and a group comes back as soon as its n samples are done.
+`abort()` cancels the groups not yet sent and sends /abort_request for every request id of the
+running ones (again each second until their calls return, for an abort that reached the server
+before its request): SGLang then answers those calls at once with finish_reason "abort" and the
+tokens generated so far, which the report counts. Other streams' and callers' requests are untouched,
+and the engine stays usable.
+
+Reproducibility: SGLang honours `sampling_seed` only with --enable-deterministic-inference, which
+needs a GPU attention backend (fa3, flashinfer, triton); on the CPU engine (torch_native) it refuses
+that flag, so CPU samples are not reproducible. A server that dies fails its group's call with
+`SGLangServerError` naming it, raised by `next()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_dapo.rollout.base import (
+    AbortReport,
+    EngineStateError,
+    GenerationAborted,
+    GroupRequest,
+    GroupResult,
+    RolloutStream,
+)
+from megatron_dapo.rollout.sglang.server import SGLangServer
+from megatron_dapo.rollout.sglang.wire import (
+    cut_at_stop,
+    generate_body,
+    generated_tokens,
+    parse_generate_response,
+    was_aborted,
+)
+
+_STREAMS = itertools.count()
+_ABORT_WAIT_S = 120.0
+"""How long abort() waits for the aborted calls to return (a live server answers within a step)."""
+_ABORT_THREADS = 8
+
+
+@dataclass
+class _Cancelled:
+    """A group whose call came back aborted, with the tokens generated for it before the abort."""
+
+    tokens: int
+
+
+class SGLangStream(RolloutStream):
+    """Per-group /generate calls on `server` (see the module docstring)."""
+
+    def __init__(self, server: SGLangServer, concurrency: int = 256) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency={concurrency} must be >= 1")
+        self._server = server
+        self._id = f"dapo-{os.getpid()}-{next(_STREAMS)}-{secrets.token_hex(3)}"
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="sglang-stream")
+        self._cond = threading.Condition()
+        self._futures: dict[int, Future] = {}  # pending groups of the current epoch
+        self._ready: dict[int, Any] = {}  # their results, in arrival order
+        self._failed: dict[int, BaseException] = {}  # groups whose call failed (raised by next())
+        self._running: dict[tuple[int, int], list[str]] = {}  # (epoch, key) -> request ids in flight
+        self._late_tokens: dict[int, int] = {}  # epoch -> tokens of its calls that returned after abort()
+        self._epoch = 0  # bumped by abort(): calls of an older epoch report to _late_tokens
+
+    @property
+    def pending(self) -> int:
+        return len(self._futures)
+
+    def submit(self, requests: Sequence[GroupRequest]) -> None:
+        with self._cond:
+            for r in requests:
+                if r.key in self._futures:
+                    raise ValueError(f"group key {r.key} is already pending in this stream")
+                self._futures[r.key] = self._pool.submit(self._run, r, self._epoch)
+
+    def next(self) -> GroupResult:
+        with self._cond:
+            if not self._futures:
+                raise EngineStateError(f"SGLang stream on {self._server.url}: no group is pending")
+            epoch = self._epoch
+            while not self._ready:  # every call delivers a result; every call is bounded
+                if self._failed and len(self._failed) == len(self._futures):
+                    raise next(iter(self._failed.values()))
+                self._cond.wait()
+                if self._epoch != epoch:
+                    raise GenerationAborted(f"the stream on {self._server.url} was aborted")
+            key = next(iter(self._ready))
+            item = self._ready.pop(key)
+            if isinstance(item, BaseException):  # the group stays pending (abort() reports it)
+                self._failed[key] = item
+                raise item
+            del self._futures[key]
+        if isinstance(item, _Cancelled):
+            raise GenerationAborted(f"group {key} was aborted on {self._server.url}")
+        return item
+
+    def abort(self) -> AbortReport:
+        with self._cond:
+            futures, ready = self._futures, self._ready
+            self._futures, self._ready, self._failed = {}, {}, {}
+            epoch = self._epoch
+            self._epoch += 1
+            self._late_tokens[epoch] = 0
+            self._cond.notify_all()
+        for fut in futures.values():
+            fut.cancel()  # groups not yet sent never are
+        self._abort_running(futures, epoch)
+        with self._cond:
+            tokens = self._late_tokens.pop(epoch)
+        tokens += sum(item.tokens for item in ready.values() if isinstance(item, (GroupResult, _Cancelled)))
+        return AbortReport(keys=sorted(futures), tokens=tokens)
+
+    def close(self) -> None:
+        super().close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ----------------------------------------------------------------------------------- internal
+
+    def _abort_running(self, futures: dict[int, Future], epoch: int) -> None:
+        """/abort_request each running request until every call of `epoch` has returned (bounded)."""
+        deadline = time.monotonic() + _ABORT_WAIT_S
+        with ThreadPoolExecutor(max_workers=_ABORT_THREADS, thread_name_prefix="sglang-abort") as pool:
+            while True:
+                not_done = [f for f in futures.values() if not f.done()]
+                if not not_done or time.monotonic() > deadline:
+                    return
+                with self._cond:
+                    rids = [rid for (e, _), rids in self._running.items() if e == epoch for rid in rids]
+                if rids and self._server.dead_reason() is None:
+                    list(pool.map(self._abort_one, rids))
+                wait(not_done, timeout=1.0)
+
+    def _abort_one(self, rid: str) -> None:
+        """One plain bounded request (no watcher thread): a dead server fails the group's own call."""
+        with suppress(Exception):
+            self._server._http("POST", "/abort_request", {"rid": rid}, timeout=30)
+
+    def _run(self, r: GroupRequest, epoch: int) -> None:
+        rids = [f"{self._id}:{r.key}:{k}" for k in range(r.n)]
+        with self._cond:
+            if epoch != self._epoch:
+                return
+            self._running[(epoch, r.key)] = rids
+        try:
+            body, requests, cut_at = generate_body([r.prompt_ids], r.n, r.sampling, rids)
+            payload = self._server.post("/generate", body)
+            if was_aborted(payload):
+                item: Any = _Cancelled(generated_tokens(payload))
+            else:
+                samples = parse_generate_response(payload, requests)
+                if cut_at:
+                    samples = [cut_at_stop(s, cut_at) for s in samples]
+                item = GroupResult(key=r.key, samples=samples)
+        except BaseException as e:  # noqa: BLE001 - raised by next() in the consumer's thread
+            item = e
+        with self._cond:
+            self._running.pop((epoch, r.key), None)
+            if epoch == self._epoch:
+                self._ready[r.key] = item
+                self._cond.notify_all()
+            elif isinstance(item, (GroupResult, _Cancelled)) and epoch in self._late_tokens:
+                self._late_tokens[epoch] += item.tokens

@@ -1,0 +1,198 @@
+"""The colocation protocol (loop/phases.py + loop/phase_model.py): the order in which the actor and the
+engine move, the phase ledger of a real colocated CPU run (actor asleep in generate, engine released in
+train, engine weights without KV in sync), and the planner's phases, which read the same phase model.
+
+The engine side is the real EmbeddedEngine (its weights really leave their storage when released); the
+protocol-order test uses a recording stand-in for the Megatron actor."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_dapo.loop import phases as phases_mod
+from megatron_dapo.loop.phase_model import ACTOR_STATE, phase_model
+from megatron_dapo.offload import HostOffload, device_bytes
+from megatron_dapo.rollout.base import EngineStateError, SamplingParams
+from megatron_dapo.rollout.embedded import EmbeddedEngine
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class FakeActor:
+    """The actor's residency API over one real tensor (really offloaded), recording calls."""
+
+    def __init__(self, events: list[str]):
+        self.events, self.state = events, {"weights": [torch.ones(1000)], "main_grads": [torch.zeros(1000)],
+                                           "optimizer": [torch.ones(2000)]}
+        self.offload, self.module, self.spec = HostOffload(), None, None
+
+    @property
+    def asleep(self) -> bool:
+        return self.offload.offloaded
+
+    def sleep(self):
+        if not self.asleep:
+            self.events.append("actor.sleep")
+            self.offload.offload(self.state, drop=("main_grads",))
+
+    def wake(self):
+        if self.asleep:
+            self.events.append("actor.wake")
+            self.offload.reload()
+
+    def device_bytes(self):
+        return device_bytes(self.state, torch.device("cpu"))
+
+
+class RecordingEngine(EmbeddedEngine):
+    def __init__(self, model, events):
+        super().__init__(model)
+        self.events = events
+
+    def sleep(self, tags=None):
+        self.events.append(f"engine.sleep {tags}")
+        super().sleep(tags)
+
+    def wake(self, tags=None):
+        self.events.append(f"engine.wake {tags}")
+        super().wake(tags)
+
+
+def test_phase_model_table():
+    m = phase_model(colocate=True, offload_when_idle=True)
+    assert list(m) == ["generate", "train", "sync"]
+    assert m["generate"].actor == () and m["generate"].engine == ("weights", "kv_cache")
+    assert m["train"].actor == ACTOR_STATE and m["train"].engine == () and m["train"].actor_transient
+    assert m["sync"].actor == ACTOR_STATE and m["sync"].engine == ("weights",)
+    assert phase_model(colocate=True, offload_when_idle=False)["generate"].actor == ACTOR_STATE
+    separate = phase_model(colocate=False, offload_when_idle=True)
+    assert separate["generate"].actor == ACTOR_STATE and all(not p.engine for p in separate.values())
+
+
+def test_protocol_order_and_ledger(monkeypatch):
+    from megatron_dapo.tiny import tiny_model
+
+    events: list[str] = []
+    engine = RecordingEngine(tiny_model("qwen2", seed=0), events)
+    weights = sum(p.numel() * 4 for p in engine.model.parameters())  # tied: counted once
+    monkeypatch.setattr(phases_mod, "sync_weights", lambda module, spec, eng: (
+        events.append(f"stream (engine weights {eng.resident_bytes()['weights']})") or phases_mod.SyncStats()))
+    p = phases_mod.Phases(FakeActor(events), engine, colocate=True, offload_when_idle=True)
+
+    p.generate()
+    assert events == ["actor.sleep", "engine.wake None"]  # from all-resident: only the actor moves
+    assert p.actor.asleep and engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2, seed=0))
+    events.clear()
+    p.train()
+    assert events == ["engine.sleep None", "actor.wake"]  # the engine leaves first
+    with pytest.raises(EngineStateError, match="asleep"):
+        engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2))
+    events.clear()
+    p.sync()
+    # weights back without the KV cache, streamed into, then the actor leaves before the KV cache returns
+    assert events == ["engine.wake ('weights',)", "engine.sleep ['kv_cache']", f"stream (engine weights {weights})",
+                      "actor.sleep", "engine.wake None"]
+    led = p.ledger
+    assert led["memory/actor_bytes_generate"] == 0 and led["memory/actor_asleep_in_generate"] == 1.0
+    assert led["memory/actor_bytes_train"] == led["memory/actor_bytes_sync"] == 4 * 4000
+    assert led["memory/engine_bytes_train"] == 0
+    assert led["memory/engine_bytes_sync"] == led["memory/engine_bytes_generate"] == weights
+    assert engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2, seed=0))
+
+
+def test_offload_really_frees_and_restores_values():
+    a = torch.arange(10.0)
+    view = a[2:5]  # a view of the same storage keeps working after the round trip
+    grads = torch.full((4,), 7.0)
+    off = HostOffload()
+    assert off.offload({"w": [a, view], "g": [grads]}, drop=("g",)) == 40 + 16
+    assert a.untyped_storage().nbytes() == 0 and device_bytes({"w": [a]}, a.device) == {"w": 0}
+    with pytest.raises(RuntimeError, match="already offloaded"):
+        off.offload({"w": [a]})
+    off.reload()
+    assert torch.equal(a, torch.arange(10.0)) and torch.equal(view, torch.tensor([2.0, 3.0, 4.0]))
+    assert not grads.any()  # dropped: zeros on reload
+
+
+def test_embedded_engine_tags():
+    from megatron_dapo.tiny import tiny_model
+
+    engine = EmbeddedEngine(tiny_model("qwen2", seed=0))
+    full = engine.resident_bytes()
+    engine.sleep(["kv_cache"])
+    assert engine.resident_bytes() == full  # the KV cache is only held inside generate()
+    engine.sleep()
+    assert engine.resident_bytes() == {"weights": 0, "kv_cache": 0}
+    with pytest.raises(EngineStateError, match="released"):
+        engine.update_weights([("model.norm.weight", torch.ones(64))])
+    engine.wake(["weights"])
+    engine.update_weights([("model.norm.weight", torch.full((64,), 2.0))])
+    with pytest.raises(EngineStateError, match="kv_cache released"):
+        engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2))
+    engine.wake()
+    assert torch.equal(engine.model.model.norm.weight, torch.full((64,), 2.0))
+    with pytest.raises(ValueError, match="unknown memory tags"):
+        engine.sleep(["cuda_graph"])
+
+
+# ----------------------------------------------------------------------------- a real colocated run
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    from megatron_dapo.tiny import ensure_tiny_base
+
+    return ensure_tiny_base(tmp_path_factory.mktemp("base") / "tiny_base", seconds=8)
+
+
+SMALL = ["train.prompt_batch_size=8", "train.mini_batch_size=4", "algo.group_size=4", "eval.every_steps=0",
+         "algo.filter_metric=score", "checkpoint.save_every=0", "checkpoint.export_hf=false",
+         "data.val_path=", "train.deterministic=true"]
+
+
+def run_tiny(base_dir: Path, root: Path, run: str, env: dict, *extra: str) -> dict[str, dict[int, float]]:
+    from test_train import scalars
+
+    cmd = [sys.executable, "-m", "megatron_dapo.train", "--config", str(REPO / "examples/configs/tiny_cpu.yaml"),
+           f"model.hf_dir={base_dir}", f"checkpoint.dir={root / 'ckpt'}", f"logging.tensorboard_dir={root / 'tb'}",
+           f"logging.run_name={run}", *SMALL, *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-6000:]
+    return scalars(root / "tb" / run)
+
+
+def planned(base_dir: Path, *overrides: str):
+    from megatron_dapo import plan as P
+    from megatron_dapo.config import load_config
+
+    cfg = load_config(REPO / "examples/configs/tiny_cpu.yaml", [f"model.hf_dir={base_dir}", *SMALL, *overrides])
+    return P.make_plan(cfg, P.resolve_model(cfg)[0], P.Hardware(nodes=1, gpus_per_node=1))
+
+
+def test_colocated_run_ledger_matches_the_plan(base_dir, tmp_path, python_env):
+    tb = run_tiny(base_dir, tmp_path, "ledger", python_env, "train.steps=2")
+    last = {tag: values[2] for tag, values in tb.items() if 2 in values}
+    assert last["memory/actor_asleep_in_generate"] == 1.0
+    assert last["memory/actor_bytes_generate"] == 0
+    assert last["memory/engine_bytes_train"] == 0  # released while the actor trains
+    assert 0 < last["memory/engine_bytes_sync"] <= last["memory/engine_bytes_generate"]
+    assert last["memory/actor_bytes_train"] == last["memory/actor_bytes_sync"] > 0
+    plan = planned(base_dir)
+    for name in ("generate", "train", "sync"):  # the actor's state, as the planner sized it per phase
+        state = sum(v for c, v in plan.phase(name).actor.items() if c in ACTOR_STATE)
+        assert last[f"memory/actor_bytes_{name}"] == pytest.approx(state, rel=0.01, abs=1), name
+    assert all(math.isfinite(v) for v in last.values())
+
+
+def test_actor_stays_when_not_offloaded(base_dir, tmp_path, python_env):
+    tb = run_tiny(base_dir, tmp_path, "resident", python_env, "train.steps=1", "actor.offload_when_idle=false")
+    assert tb["memory/actor_asleep_in_generate"][1] == 0.0
+    assert tb["memory/actor_bytes_generate"][1] == tb["memory/actor_bytes_sync"][1] > 0
+    plan = planned(base_dir, "actor.offload_when_idle=false")
+    assert set(plan.phase("generate").actor) == set(ACTOR_STATE)

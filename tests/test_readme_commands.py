@@ -1,0 +1,212 @@
+"""Every shell command the README shows runs in a test, so none can rot.
+
+Convention (also in the README's header comment): in a ```bash fence, each command (a line, with its
+`\\` continuation lines) is preceded by a directive line
+
+    # test: [tier=slow|slurm|sglang|gpu] [timeout=SECONDS] [needs=PATH] [VAR=value ...] run [ARGS ...]
+    # test: skip REASON
+
+`run` executes the command from a sandbox folder (below) with ARGS appended (shortening overrides such as
+`train.steps=1`) and VAR=value in its environment (`DRY_RUN=1` for the dry-run form of a launcher);
+it must exit 0. `tier=` gives the test that pytest marker (`-m slow` ...). `needs=` names a sandbox
+path an earlier README command produces (commands run in README order). A command without a directive
+fails `test_every_readme_command_has_a_directive`. The fences right after `<!-- ci:run -->` and
+`<!-- ci:test -->` (the first screen) are run exactly as written by `.ci/run`, which this module checks.
+
+The sandbox: `examples/` and `tools/` of this checkout, `checkpoints/tiny_base` (the tiny base, built
+here quickly), `models/my-model` (a tiny Llama with a Qwen2.5-style chat template), `models/Qwen2.5-32B`
+(a tiny Qwen2 stand-in with 8 heads, so TP=8 divides it), `data/train.jsonl` and `data/val.jsonl`
+(GSM8K-format rows), and `checkpoints/dapo_qwen2.5_32b` pointing at `checkpoints/qwen32b_mcore`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+TIERS = ("slow", "slurm", "sglang", "gpu")
+DIRECTIVE = re.compile(r"^#\s*test:\s*(.*)$")
+
+
+@dataclass
+class Command:
+    line: int
+    text: str
+    directive: str | None
+    env: dict[str, str] = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)
+    tier: str | None = None
+    timeout: int = 600
+    needs: str | None = None
+    skip: str | None = None
+
+    @property
+    def name(self) -> str:
+        words = [w for w in shlex.split(self.text, comments=True) if "=" not in w or w.startswith("-")][:3]
+        return f"L{self.line}-" + "-".join(Path(w).name for w in words)
+
+
+def parse_directive(cmd: Command) -> Command:
+    spec = cmd.directive or ""
+    if spec.startswith("skip"):
+        cmd.skip = spec[4:].lstrip(": ").strip() or "no reason given"
+        if cmd.skip == "no reason given":
+            raise ValueError(f"README line {cmd.line}: `# test: skip` needs a reason")
+        return cmd
+    words = shlex.split(spec)
+    if "run" not in words:
+        raise ValueError(f"README line {cmd.line}: directive {spec!r} has neither `run` nor `skip`")
+    at = words.index("run")
+    for word in words[:at]:
+        key, sep, value = word.partition("=")
+        if not sep:
+            raise ValueError(f"README line {cmd.line}: {word!r} in {spec!r} is not KEY=VALUE")
+        if key == "tier":
+            if value not in TIERS:
+                raise ValueError(f"README line {cmd.line}: tier={value}: one of {TIERS}")
+            cmd.tier = value
+        elif key == "timeout":
+            cmd.timeout = int(value)
+        elif key == "needs":
+            cmd.needs = value
+        else:
+            cmd.env[key] = value
+    cmd.args = words[at + 1:]
+    return cmd
+
+
+def readme_commands(text: str) -> tuple[list[Command], list[tuple[str, str]]]:
+    """(the commands of every bash fence, [(ci marker, first line of its fence)])."""
+    commands, ci, lines = [], [], text.splitlines()
+    i, marker = 0, None
+    while i < len(lines):
+        line = lines[i].strip()
+        if line.startswith("<!-- ci:"):
+            marker = line
+        fence = re.match(r"^```(\w*)$", line)
+        if not fence:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+        body = lines[i + 1:end]
+        if fence.group(1) in ("bash", "sh"):
+            if marker is not None:
+                ci.append((marker, body[0]))
+            else:
+                commands += _fence_commands(body, first_line=i + 2)
+        marker, i = None, end + 1
+    return commands, ci
+
+
+def _fence_commands(body: list[str], first_line: int) -> list[Command]:
+    out, directive, k = [], None, 0
+    while k < len(body):
+        line = body[k].strip()
+        found = DIRECTIVE.match(line)
+        if found:
+            directive = found.group(1).strip()
+        elif line and not line.startswith("#"):
+            start, text = k, body[k]
+            while text.rstrip().endswith("\\") and k + 1 < len(body):
+                k += 1
+                text = text.rstrip()[:-1] + " " + body[k].strip()
+            out.append(Command(line=first_line + start, text=text.strip(), directive=directive))
+            directive = None
+        k += 1
+    return out
+
+
+COMMANDS, CI_FENCES = readme_commands(README.read_text())
+
+
+def test_every_readme_command_has_a_directive():
+    missing = [f"README line {c.line}: {c.text}" for c in COMMANDS if c.directive is None]
+    assert not missing, "README commands without a `# test: ...` line before them:\n" + "\n".join(missing)
+    for c in COMMANDS:
+        parse_directive(c)  # every directive parses
+    assert len(COMMANDS) >= 10
+
+
+def test_the_first_screen_is_what_ci_runs():
+    """.ci/run extracts the command after each ci marker with its own awk: the same line as here."""
+    assert {m for m, _ in CI_FENCES} == {"<!-- ci:run -->", "<!-- ci:test -->"}
+    script = (REPO / ".ci" / "run").read_text()
+    function = re.search(r"^readme_command\(\) \{.*?^\}", script, re.S | re.M).group(0)
+    for marker, first in CI_FENCES:
+        name = marker.removeprefix("<!-- ci:").removesuffix(" -->")
+        got = subprocess.run(["bash", "-c", f"{function}\nreadme_command {name}"], cwd=REPO, capture_output=True,
+                             text=True, timeout=30).stdout.strip()
+        assert got == first.strip(), (marker, got)
+
+
+# ------------------------------------------------------------------------------------------ the sandbox
+
+
+def gsm8k_rows(n: int, seed: int) -> str:
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(2, 40), rng.randint(2, 40)
+        rows.append({"question": f"Tom has {a} apples and buys {b} more. How many apples does he have now?",
+                     "answer": f"Tom has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}"})
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory) -> Path:
+    from megatron_dapo.tiny import ensure_tiny_base, save_tiny_model
+    from megatron_dapo.tiny.chat import save_chat_model
+
+    root = tmp_path_factory.mktemp("readme")
+    for name in ("examples", "tools"):
+        (root / name).symlink_to(REPO / name)
+    ensure_tiny_base(root / "checkpoints" / "tiny_base", seconds=8)
+    save_chat_model(root / "models" / "my-model", "llama", num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=2048)
+    save_tiny_model(root / "models" / "Qwen2.5-32B", "qwen2", num_attention_heads=8, num_key_value_heads=8)
+    (root / "data").mkdir()
+    (root / "data" / "train.jsonl").write_text(gsm8k_rows(64, 0))
+    (root / "data" / "val.jsonl").write_text(gsm8k_rows(16, 1))
+    (root / "checkpoints" / "dapo_qwen2.5_32b").symlink_to("qwen32b_mcore")
+    return root
+
+
+def _params():
+    for c in COMMANDS:
+        try:
+            parse_directive(c)
+        except ValueError:
+            pass  # reported by test_every_readme_command_has_a_directive
+        marks = [getattr(pytest.mark, c.tier)] if c.tier else []
+        yield pytest.param(c, id=c.name, marks=marks)
+
+
+@pytest.mark.parametrize("cmd", list(_params()))
+def test_readme_command(cmd: Command, sandbox: Path):
+    if cmd.directive is None:
+        pytest.fail(f"README line {cmd.line} has no `# test:` directive: {cmd.text}")
+    if cmd.skip:
+        pytest.skip(f"README line {cmd.line}: {cmd.skip}")
+    if cmd.needs and not (sandbox / cmd.needs).exists():
+        pytest.fail(f"README line {cmd.line} needs {cmd.needs}, which an earlier README command makes: "
+                    "run the whole module")
+    words = shlex.split(cmd.text, comments=True) + cmd.args
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+           **cmd.env}
+    r = subprocess.run(["bash", "-c", shlex.join(words)], cwd=sandbox, env=env, capture_output=True, text=True,
+                       timeout=cmd.timeout)
+    assert r.returncode == 0, (f"README line {cmd.line}: {cmd.text}\nexit {r.returncode}\n"
+                               f"stdout: {r.stdout[-3000:]}\nstderr: {r.stderr[-5000:]}")

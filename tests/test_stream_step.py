@@ -1,0 +1,233 @@
+"""Dynamic sampling on the stream (loop/stream.py): stop at N, abort the rest, budgets, failures, monitors,
+determinism; the rounds path (rollout.streaming=false) is bit-for-bit the pre-streaming code; the trainer
+with streaming on (monitors, SIGKILL + resume replays exactly)."""
+
+import hashlib
+import logging
+import math
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from test_streaming import FailingEngine
+from test_train import TAGS, base_dir, run_train, scalars, train_cmd  # noqa: F401 - base_dir is a fixture
+
+from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats
+from megatron_dapo.config import AlgoConfig, ConfigError, RewardConfig, load_config, validate
+from megatron_dapo.data.arithmetic import make_arithmetic_prompts
+from megatron_dapo.loop.collect import StepRollout, collect_step, seed_of
+from megatron_dapo.loop.stream import (
+    RolloutStepError,
+    StreamPlan,
+    StreamRollout,
+    rollout_cost_scalars,
+    stream_groups,
+)
+from megatron_dapo.rollout import EmbeddedEngine, SamplingParams
+from megatron_dapo.rollout.base import GroupRequest
+from megatron_dapo.tiny import tiny_model
+from megatron_dapo.types import Group, Prompt, Sample
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen2", seed=0, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_attention_heads=4, num_key_value_heads=2)
+
+
+def source(informative=lambda g: g % 3 != 0, max_new=lambda g: 6 + (g % 4) * 10):
+    """Group g: a prompt whose uid says whether its group is informative; lengths vary with g."""
+    def request(g: int):
+        prompt = Prompt(uid=f"t/{g}", messages=(), ground_truth=str(int(informative(g))))
+        return prompt, GroupRequest(key=g, prompt_ids=[1 + g % 50, 2, 3], n=2, sampling=SamplingParams(
+            max_new_tokens=max_new(g), ignore_eos=True, seed=seed_of(1, "train", 0, "group", g)))
+    return request
+
+
+def score(group: Group) -> None:
+    """Informative groups: one right answer of two."""
+    for k, s in enumerate(group.samples):
+        s.acc = group.prompt.ground_truth == "1" and k == 0
+        s.reward = 1.0 if s.acc else -1.0
+
+
+def plan(**kw) -> StreamPlan:
+    return StreamPlan(**{**dict(target_groups=4, first=4, max_inflight=8, max_groups=40), **kw})
+
+
+def test_inflight_follows_the_kept_fraction():
+    p = plan(oversample=1.5, max_inflight=100)
+    assert p.inflight(kept=0, seen=0, informative=0) == 4  # first
+    assert p.inflight(kept=1, seen=2, informative=1) == math.ceil(1.5 * 3 / (2 / 4))  # Laplace (1+1)/(2+2)
+    assert p.inflight(kept=0, seen=50, informative=0) == math.ceil(1.5 * 4 / 0.1)  # floor 0.1
+    assert plan().inflight(kept=0, seen=50, informative=0) == 8  # max_inflight
+    algo = AlgoConfig(gen_batch_multiplier=1.5, max_gen_rounds=3)
+    auto = StreamPlan.from_config(algo, target_groups=4)
+    assert (auto.first, auto.max_inflight, auto.max_groups, auto.oversample) == (6, 12, 18, 1.5)
+    off = StreamPlan.from_config(AlgoConfig(dynamic_sampling=False, gen_batch_multiplier=2.0), 4)
+    assert (off.first, off.max_inflight, off.max_groups) == (4, 4, 4)
+
+
+def test_stops_at_n_informative_and_aborts_the_rest(model):
+    engine = EmbeddedEngine(model)
+    out = stream_groups(engine, source(), score, plan())
+    assert len(out.groups) == 4 and all(g.prompt.ground_truth == "1" for g in out.groups)
+    assert out.stats.groups_kept == 4 and not out.stats.exhausted
+    seen = len(out.generated)
+    assert out.stats.groups_seen == seen and out.stats.kept_frac == 4 / seen
+    s = out.stream
+    assert s.submitted == seen + s.aborted_groups and s.aborted_groups > 0
+    assert s.generated_tokens == sum(x.response_len for g in out.generated for x in g.samples) + s.wasted_tokens
+    assert 0 < s.first_kept_s < 60
+    again = stream_groups(EmbeddedEngine(model), source(), score, plan())  # the embedded stream is deterministic
+    assert [g.prompt.uid for g in again.groups] == [g.prompt.uid for g in out.groups]
+    assert again.stream == out.stream.__class__(**{**vars(out.stream), "first_kept_s": again.stream.first_kept_s})
+    wide = stream_groups(EmbeddedEngine(model), source(), score, plan(max_inflight=20, first=10))
+    same = {g.prompt.uid: g for g in wide.generated}
+    for g in out.generated:  # a group is a function of its index, whatever ran beside it
+        if g.prompt.uid in same:
+            assert [x.response_ids for x in g.samples] == [x.response_ids for x in same[g.prompt.uid].samples]
+
+
+def test_never_more_in_flight_than_allowed(model):
+    engine = EmbeddedEngine(model)
+    real = engine.stream
+    peaks = []
+
+    def stream():
+        s = real()
+        submit = s.submit
+
+        def counted(reqs):
+            submit(reqs)
+            peaks.append(s.pending)
+        s.submit = counted
+        return s
+
+    engine.stream = stream
+    out = stream_groups(engine, source(), score, plan(max_inflight=5, first=3))
+    assert peaks and max(peaks) <= 5 and peaks[0] == 3
+    assert len(out.groups) == 4
+
+
+def test_budget_exhausted(model, caplog):
+    never = source(informative=lambda g: False)
+    with caplog.at_level(logging.WARNING):
+        out = stream_groups(EmbeddedEngine(model), never, score, plan(max_groups=7))
+    assert out.groups == [] and out.stats.exhausted and out.stream.submitted == 7 and len(out.generated) == 7
+    assert out.stats.rounds == 2 and "kept 0/4 informative groups after 7/7 streamed groups" in caplog.text
+    with pytest.raises(RuntimeError, match="kept 0/4"):
+        stream_groups(EmbeddedEngine(model), never, score, plan(max_groups=7, on_exhausted="error"))
+
+
+def test_dynamic_sampling_off_runs_exactly_n(model):
+    algo = AlgoConfig(dynamic_sampling=False, gen_batch_multiplier=3.0)
+    out = stream_groups(EmbeddedEngine(model), source(informative=lambda g: False), score,
+                        StreamPlan.from_config(algo, target_groups=5))
+    assert len(out.groups) == 5 and out.stream.submitted == 5 and out.stream.aborted_groups == 0
+
+
+def test_an_engine_failure_keeps_what_was_kept(model):
+    from megatron_dapo.rollout.engine_group import EngineGroup
+
+    group = EngineGroup([FailingEngine(good=2), EmbeddedEngine(model)], names=["http://dead:7", "embedded"])
+    with pytest.raises(RolloutStepError) as err:
+        stream_groups(group, source(informative=lambda g: True, max_new=lambda g: 40 if g % 2 else 1), score,
+                      plan(target_groups=30, max_inflight=6, first=6))
+    partial: StreamRollout = err.value.partial
+    assert "http://dead:7" in str(err.value) and "connection refused" in str(err.value)
+    assert f"after keeping {len(partial.groups)}/30 groups" in str(err.value)
+    assert partial.groups and partial.groups == partial.generated  # all informative: every finished group kept
+    assert partial.stream.aborted_groups == partial.stream.submitted - len(partial.generated)
+
+
+def test_rounds_monitors_count_the_trimmed_surplus():
+    def group(uid, informative, length):
+        samples = [Sample(prompt_ids=[1], response_ids=[5] * length, rollout_logprobs=[0.0] * length,
+                          finish_reason="stop", acc=informative and k == 0) for k in range(2)]
+        return Group(prompt=Prompt(uid=uid, messages=(), ground_truth="1"), samples=samples)
+
+    kept, surplus, useless = group("a", True, 3), group("b", True, 5), group("c", False, 7)
+    rollout = StepRollout(groups=[kept], stats=DynamicSamplingStats(1, 3, 2, 2 / 3, False),
+                          generated=[kept, surplus, useless])
+    assert rollout_cost_scalars(rollout, AlgoConfig()) == {
+        "rollout/aborted_groups": 0.0, "rollout/wasted_tokens": 10.0, "rollout/generated_tokens": 30.0}
+    off = AlgoConfig(dynamic_sampling=False)
+    assert rollout_cost_scalars(rollout, off)["rollout/wasted_tokens"] == 24.0
+
+
+def test_rounds_path_is_bit_for_bit_the_pre_streaming_code():
+    """collect_step (rollout.streaming=false) on a fixed model and seed: the token digest measured with the
+    code before streaming existed (commit b445368), for both decoders."""
+    from megatron_dapo.tiny.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    for fast in (True, False):
+        prompts = iter(make_arithmetic_prompts(100, seed=0))
+        engine = EmbeddedEngine(tiny_model("qwen2", seed=0, vocab_size=len(tok)), fast_path=fast)
+        out = collect_step(engine, tok, lambda k: [next(prompts) for _ in range(k)], target_groups=3,
+                           algo=AlgoConfig(group_size=4, max_gen_rounds=3), reward=RewardConfig(overlong_cache_len=4),
+                           max_response_len=12, sampling=lambda r: SamplingParams(
+                               max_new_tokens=12, stop_token_ids=(1,), seed=seed_of(1, "train", 0, r)))
+        h = hashlib.sha256()
+        for g in out.generated:
+            for s in g.samples:
+                h.update(repr((g.prompt.uid, s.response_ids, s.finish_reason)).encode())
+        assert (out.stats.rounds, len(out.generated)) == (3, 27)
+        assert h.hexdigest() == "885176341038b44bb353d07470135b15ebf65cbaec132f30057f9fb91d7288b0"
+
+
+def test_config_switches():
+    cfg = load_config(None, ["rollout.streaming=true", "rollout.max_inflight_groups=12"])
+    assert cfg.rollout.streaming and cfg.rollout.max_inflight_groups == 12
+    cfg.rollout.max_inflight_groups = -1
+    with pytest.raises(ConfigError, match="rollout.max_inflight_groups=-1"):
+        validate(cfg)
+
+
+STREAM = ["rollout.streaming=true", "rollout.max_inflight_groups=12", "algo.gen_batch_multiplier=1.5"]
+
+
+def test_trainer_streams_and_writes_the_monitors(base_dir, tmp_path, python_env):
+    run_train(train_cmd(base_dir, tmp_path, "stream", "train.steps=2", "checkpoint.save_every=0", *STREAM),
+              python_env)
+    tb = scalars(tmp_path / "tb" / "stream")
+    for tag in TAGS + ["rollout/aborted_groups", "rollout/wasted_tokens", "rollout/generated_tokens"]:
+        assert tag in tb and all(math.isfinite(v) for v in tb[tag].values()), tag
+    assert set(tb["rollout/groups_trained"].values()) == {8.0}
+    assert all(v > 0 for v in tb["rollout/generated_tokens"].values())
+
+
+def test_streaming_sigkill_and_resume_replays_exactly(base_dir, tmp_path, python_env):
+    """The embedded stream is one deterministic decode loop and group g's seed is f(seed, step, g): a
+    resumed run replays the same groups, kept set included."""
+    steps = ["train.steps=3", "checkpoint.save_every=1", "eval.every_steps=0", *STREAM]
+    run_train(train_cmd(base_dir, tmp_path, "straight", *steps), python_env)
+    proc = subprocess.Popen(train_cmd(base_dir, tmp_path, "killed", *steps), env=python_env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = tmp_path / "ckpt" / "killed" / "step_00000001" / "COMPLETE"
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert marker.exists(), "the run never reached its step-1 checkpoint"
+    run_train(train_cmd(base_dir, tmp_path, "killed", *steps, "checkpoint.resume=auto"), python_env)
+    a, b = scalars(tmp_path / "tb" / "straight"), scalars(tmp_path / "tb" / "killed")
+    for tag in TAGS + ["rollout/aborted_groups", "rollout/wasted_tokens", "rollout/generated_tokens"]:
+        if tag.startswith(("timing/", "perf/", "val/")):
+            continue
+        for step in (2, 3):
+            assert a[tag][step] == b[tag][step], (tag, step, a[tag][step], b[tag][step])

@@ -1,0 +1,68 @@
+"""Run under torchrun by tests/test_qwen3_moe.py: Qwen3 / MoE models at one TP x PP x EP layout.
+
+    torchrun --nproc_per_node N tests/workers/moe_worker.py CASE HF_DIR[,HF_DIR...] OUT_DIR TP PP EP
+
+CASE "logits": load each HF folder into a model built to be loaded, save the logits of the conversion
+tool's fixed verification batch and whether exporting gives back every HF tensor bit for bit.
+CASE "train": the actor's DAPO updates of tests/workers/actor_worker.py (clipping on, several updates).
+CASE "checkpoint": HF_DIRs are converted checkpoints: the actor loads each (load_checkpoint, weights only),
+saves the verification logits and exports it with save_hf_checkpoint to OUT_DIR/<name>_export.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from actor_worker import make_cfg, run_model
+
+from megatron_dapo import parallel
+from megatron_dapo.actor.actor import Actor
+from megatron_dapo.actor.checkpoint import load_checkpoint
+from megatron_dapo.actor.convert_checks import HF_SUBDIR
+from megatron_dapo.actor.convert_verify import megatron_logits, verify_tokens
+from megatron_dapo.actor.hf_io import export_hf_weights, load_hf_weights, save_hf_checkpoint
+from megatron_dapo.actor.model import build_model, load_hf_config, spec_from_hf
+from megatron_dapo.hf_files import SafetensorsReader
+
+
+def logits_and_export(hf_dir: str, cfg) -> dict:
+    spec = spec_from_hf(load_hf_config(hf_dir))
+    model = build_model(spec, cfg.model, cfg.parallel, init_weights=False)
+    reader = SafetensorsReader(hf_dir)
+    load_hf_weights(model, reader, spec)
+    logits = megatron_logits(model, verify_tokens(spec), spec.vocab_size)
+    exported = {name: t.clone() for name, t in export_hf_weights(model, spec)}
+    identical = {name: bool(torch.equal(t, reader.get(name))) for name, t in exported.items()}
+    return {"logits": logits, "identical": identical, "last_stage": parallel.is_last_stage()}
+
+
+def from_checkpoint(ckpt: str, cfg, out: str) -> dict:
+    spec = spec_from_hf(load_hf_config(Path(ckpt) / HF_SUBDIR))
+    actor = Actor(spec, cfg.model, cfg.parallel, cfg.actor)  # random init, then overwritten
+    load_checkpoint(actor, ckpt, load_optimizer=False)
+    logits = megatron_logits(actor.module, verify_tokens(spec), spec.vocab_size)
+    save_hf_checkpoint(actor.module, spec, Path(out) / f"{Path(ckpt).name}_export", Path(ckpt) / HF_SUBDIR)
+    return {"logits": logits, "last_stage": parallel.is_last_stage()}
+
+
+def main() -> None:
+    case, hf_dirs, out = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+    tp, pp, ep = (int(x) for x in sys.argv[4:7])
+    cfg = make_cfg(tp, pp)
+    cfg.parallel.expert_parallel = ep
+    parallel.initialize(cfg.parallel, seed=7)
+    result: dict = {"rank": parallel.global_rank(), "ep_rank": parallel.ep_rank(), "models": {}}
+    for hf_dir in hf_dirs:
+        name = Path(hf_dir).name
+        if case == "logits":
+            result["models"][name] = logits_and_export(hf_dir, cfg)
+        elif case == "checkpoint":
+            result["models"][name] = from_checkpoint(hf_dir, cfg, out)
+        else:
+            result["models"][name] = run_model("train", hf_dir, cfg, None)
+    torch.save(result, f"{out}/rank_{parallel.global_rank()}.pt")
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Rounds vs streaming rollout under dynamic sampling (`python tools/bench_rollout.py --dynamic`).
+
+Every step needs N informative groups of G samples. Two workloads (the lengths measured are printed):
+- "ramble" (default): a fraction --ramble-frac of the prompts ramble, every sample to --max-new-tokens, as
+  if those requests ignored EOS; the others stop after about --answer-len tokens (geometric). The policy
+  is a tiny Qwen2 whose attention and MLP outputs are zeroed, so the next token depends on the current
+  one only: tokens [2, V/2) "answer" and emit EOS at a rate 1/answer_len, tokens [V/2, V) "ramble" and
+  never emit EOS (random noise in the other dimensions varies the tokens). A prompt's last token picks
+  its regime, so one sampling config serves both kinds of prompt, for both modes and both engines.
+- "natural": a random tiny Qwen2 with peaky weights (normal(0, --init-std)) and its EOS row scaled by
+  --eos-scale: lengths depend on prompt and sample, a few responses run to the limit.
+Prompt i has a difficulty p_i in {0.03, 0.5, 0.97} (one third each); a sample is "correct" when a hash of
+(prompt, response ids) falls below p_i, so informativeness is independent of length and the kept fraction
+is about 0.47, as for a policy mid-training. Both modes run the same engine, N, G, sampling and dynamic-
+sampling config, and each step the same prompt sequence: "rounds" is loop/collect.py's loop
+(DynamicSampler, one blocking generate per round), "streaming" is loop/stream.py's `stream_groups`. Steps
+alternate which mode goes first. wall_s sums the steps' rollout times; wasted_tokens: surplus groups
+trimmed (rounds) or aborted groups' tokens (streaming). Streaming favours groups that finish early:
+kept_response_len (the kept samples' mean length) and kept_truncated_frac (their fraction cut at the limit)
+show by how much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from megatron_dapo.algo.dynamic_sampling import DynamicSampler, is_informative
+from megatron_dapo.config import AlgoConfig, SGLangConfig
+from megatron_dapo.loop.collect import seed_of
+from megatron_dapo.loop.stream import StreamPlan, stream_groups
+from megatron_dapo.rollout.base import GroupRequest, RolloutEngine, SamplingParams
+from megatron_dapo.tiny import tiny_model
+from megatron_dapo.types import Group, Prompt
+
+EOS = 1
+DIFFICULTY = (0.03, 0.5, 0.97)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--dynamic (rounds vs streaming)")
+    g.add_argument("--engines", default="embedded,sglang", help="comma-separated: embedded, sglang")
+    g.add_argument("--steps", type=int, default=6)
+    g.add_argument("--groups", type=int, default=16, help="N: informative groups per step")
+    g.add_argument("--group-size", type=int, default=8, help="G")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--gen-batch-multiplier", type=float, default=1.0)
+    g.add_argument("--max-inflight-groups", type=int, default=0)
+    g.add_argument("--workload", choices=["ramble", "natural"], default="ramble")
+    g.add_argument("--ramble-frac", type=float, default=0.25, help="ramble: prompts that run to the limit")
+    g.add_argument("--answer-len", type=float, default=20.0, help="ramble: mean length of the other responses")
+    g.add_argument("--init-std", type=float, default=0.1, help="natural: weight scale")
+    g.add_argument("--eos-scale", type=float, default=4.0, help="natural: EOS logit row scale")
+
+
+def build_policy(args: argparse.Namespace):
+    model = tiny_model("qwen2", seed=0, vocab_size=args.vocab, hidden_size=args.hidden,
+                       intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+                       num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                       max_position_embeddings=64 + args.max_new_tokens, eos_token_id=EOS, bos_token_id=0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        if args.workload == "natural":
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, args.init_std)
+            model.lm_head.weight[EOS] *= args.eos_scale
+        else:
+            _bigram_regimes(model, args)
+    return model
+
+
+def _bigram_regimes(model, args: argparse.Namespace) -> None:
+    """Logits = lm_head(norm(embed(current token))): dimension 0 carries the regime (+-s), the rest noise."""
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    vocab, hidden = args.vocab, args.hidden
+    sign = torch.where(torch.arange(vocab) >= vocab // 2, 1.0, -1.0)
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    embed.normal_(0.0, 1.0)
+    embed[:, 0] = 4.0 * sign
+    x0 = 4.0 / math.sqrt((16.0 + hidden - 1) / hidden)  # |dimension 0| after the final RMSNorm
+    head.normal_(0.0, 0.1)
+    head[:, 0] = 3.0 * sign  # stay in the current regime (each token of the other is e^-6x0 less likely)
+    noise = 0.5 * 0.01 * (hidden - x0**2)  # E[exp(noise logit)] = exp(sigma^2 / 2)
+    same = 3.0 * x0 + noise + math.log(vocab // 2 - 2)  # log of the current regime's total mass
+    head[:2] = 0.0  # <pad> (0) is never drawn: its logit 0 is e^-3x0 below a regime token's
+    head[EOS, 0] = -(same - math.log(args.answer_len - 1)) / x0  # answer regime: P(EOS) = 1/answer_len
+
+
+def prompt_stream(seed: int, args: argparse.Namespace) -> Iterator[tuple[Prompt, list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    half = args.vocab // 2
+    for i in range(10**9):
+        ids = torch.randint(2, half, (int(torch.randint(8, 33, (1,), generator=g)),), generator=g).tolist()
+        p = DIFFICULTY[int(torch.randint(0, 3, (1,), generator=g))]
+        if args.workload == "ramble" and float(torch.rand(1, generator=g)) < args.ramble_frac:
+            ids[-1] = int(torch.randint(half, args.vocab, (1,), generator=g))
+        yield Prompt(uid=f"bench/{i}", messages=(), ground_truth=str(p)), ids
+
+
+def score(group: Group) -> None:
+    """acc = hash(prompt, response) / 2**64 < p (the prompt's difficulty); reward +-1."""
+    for s in group.samples:
+        h = hashlib.blake2b(repr((group.prompt.uid, s.response_ids)).encode(), digest_size=8).digest()
+        s.acc = int.from_bytes(h, "little") / 2**64 < float(group.prompt.ground_truth)
+        s.reward = 1.0 if s.acc else -1.0
+
+
+def sampling(args: argparse.Namespace, *key) -> SamplingParams:
+    return SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=(EOS,), seed=seed_of(*key))
+
+
+def rounds(engine: RolloutEngine, prompts: Iterator, algo: AlgoConfig, args, step: int) -> tuple[list, list]:
+    """loop/collect.py's collect_step with this benchmark's prompts and score."""
+    sampler = DynamicSampler(args.groups, algo.max_gen_rounds, algo.on_rounds_exhausted,
+                             metric=algo.filter_metric)
+    first, generated, r = math.ceil(args.groups * algo.gen_batch_multiplier), [], 0
+    while not sampler.done:
+        batch = [next(prompts) for _ in range(sampler.next_round_size(first))]
+        out = engine.generate([ids for _, ids in batch], args.group_size, sampling(args, "rounds", step, r))
+        groups = [Group(prompt=p, samples=s) for (p, _), s in zip(batch, out)]
+        r += 1
+        for group in groups:
+            score(group)
+        generated += groups
+        sampler.add_round(groups)
+    kept, _ = sampler.finish()
+    ids = {id(g) for g in kept}
+    surplus = [g for g in generated if id(g) not in ids and is_informative(g)]
+    wasted = sum(s.response_len for g in surplus for s in g.samples)
+    return kept, [sum(s.response_len for g in generated for s in g.samples), wasted]
+
+
+def streaming(engine: RolloutEngine, prompts: Iterator, algo: AlgoConfig, args,
+              step: int) -> tuple[list, list]:
+    def request(g: int) -> tuple[Prompt, GroupRequest]:
+        prompt, ids = next(prompts)
+        return prompt, GroupRequest(key=g, prompt_ids=ids, n=args.group_size,
+                                    sampling=sampling(args, "stream", step, g))
+
+    plan = StreamPlan.from_config(algo, args.groups, args.max_inflight_groups)
+    out = stream_groups(engine, request, score, plan)
+    return out.groups, [out.stream.generated_tokens, out.stream.wasted_tokens]
+
+
+MODES: dict[str, Callable] = {"rounds": rounds, "streaming": streaming}
+
+
+def compare(engine_name: str, engine: RolloutEngine, args: argparse.Namespace) -> list[dict]:
+    algo = AlgoConfig(group_size=args.group_size, gen_batch_multiplier=args.gen_batch_multiplier)
+    totals = {m: {"kept": 0, "wall": 0.0, "tokens": 0, "wasted": 0, "lens": [], "cut": []} for m in MODES}
+    for step in range(args.steps):
+        order = list(MODES) if step % 2 == 0 else list(MODES)[::-1]
+        for mode in order:
+            t0 = time.perf_counter()
+            kept, (tokens, wasted) = MODES[mode](engine, prompt_stream(1000 + step, args), algo, args, step)
+            t = totals[mode]
+            t["wall"] += time.perf_counter() - t0
+            t["kept"] += len(kept)
+            t["tokens"] += tokens
+            t["wasted"] += wasted
+            t["lens"] += [s.response_len for g in kept for s in g.samples]
+            t["cut"] += [s.truncated for g in kept for s in g.samples]
+    return [{"engine": engine_name, "mode": m, "kept_groups": t["kept"], "wall_s": round(t["wall"], 3),
+             "generated_tokens": t["tokens"], "wasted_tokens": t["wasted"], "steps": args.steps,
+             "kept_response_len": round(sum(t["lens"]) / max(len(t["lens"]), 1), 1),
+             "kept_truncated_frac": round(sum(t["cut"]) / max(len(t["cut"]), 1), 3)}
+            for m, t in totals.items()]
+
+
+def length_percentiles(engine: RolloutEngine, args: argparse.Namespace) -> dict[str, int]:
+    batch = [ids for _, (_, ids) in zip(range(32), prompt_stream(99, args))]
+    lens = sorted(s.response_len for g in engine.generate(batch, args.group_size, sampling(args, "lengths"))
+                  for s in g)
+    return {f"p{q}": lens[min(len(lens) - 1, len(lens) * q // 100)] for q in (10, 50, 90, 100)}
+
+
+def open_engine(name: str, model, folder: Path, args: argparse.Namespace) -> RolloutEngine:
+    if name == "embedded":
+        from megatron_dapo.rollout.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(model)
+    from megatron_dapo.rollout.sglang.engine import SGLangEngine
+    from megatron_dapo.rollout.sglang.server import default_python
+
+    model.save_pretrained(folder / "policy")
+    return SGLangEngine(folder / "policy", SGLangConfig(startup_timeout_s=600, request_timeout_s=1200),
+                        python=default_python(), dtype="float32", max_total_tokens=1 << 16,
+                        log_dir=folder / "logs", port=args.port)
+
+
+def main(args: argparse.Namespace) -> list[dict]:
+    names = [n for n in args.engines.split(",") if n]
+    model = build_policy(args)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-dynamic-") as tmp:
+        for name in names:
+            engine = open_engine(name, model, Path(tmp), args)
+            try:
+                lengths = length_percentiles(engine, args)
+                if not args.json:
+                    print(f"{name}: response lengths {lengths} (max_new_tokens {args.max_new_tokens})")
+                rows += compare(name, engine, args)
+            finally:
+                engine.shutdown()
+    return rows
