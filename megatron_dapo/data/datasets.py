@@ -4,8 +4,8 @@
   - `*.parquet` or `*.jsonl` in DAPO-Math-17K format: rows with `prompt` (chat messages),
     `reward_model.ground_truth`, `data_source` and optional `extra_info`;
   - `*.jsonl` in GSM8K format: rows with `question` and `answer` ("... #### 72");
-  - `builtin:<name>?<options>`, e.g. `builtin:arithmetic?n=1000&seed=0&max_digits=2`
-    (see `arithmetic.arithmetic_from_query` for the options).
+  - `builtin:<name>?<options>`, e.g. `builtin:arithmetic?n=1000&seed=0&max_digits=2` or
+    `builtin:steps?n=4000&seed=0&max_steps=7` (options: `arithmetic.arithmetic_from_query`, `steps`).
 Bad rows are skipped and counted by reason, never fatal; a missing file or unknown format raises.
 """
 
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_dapo.data.arithmetic import arithmetic_from_query
+from megatron_dapo.data.steps import steps_from_query
 from megatron_dapo.data.templates import DAPO_MATH_TEMPLATE, PromptFormat
 from megatron_dapo.types import Prompt
 
@@ -28,7 +29,8 @@ logger = logging.getLogger(__name__)
 GSM8K_PROMPT_TEMPLATE = DAPO_MATH_TEMPLATE
 """GSM8K question -> user message (data.prompt_template=auto): the instruction DAPO-Math-17K prompts carry."""
 
-BUILTIN_TASKS: dict[str, Callable[[str], list[Prompt]]] = {"arithmetic": arithmetic_from_query}
+BUILTIN_TASKS: dict[str, Callable[[str], list[Prompt]]] = {"arithmetic": arithmetic_from_query,
+                                                           "steps": steps_from_query}
 
 # Skip reasons, the keys of `LoadResult.skipped`.
 BAD_JSON = "bad_json"

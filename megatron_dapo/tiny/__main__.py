@@ -2,6 +2,7 @@
 
     python -m megatron_dapo.tiny --out checkpoints/tiny_base            # ~2.5 min on a 2-core CPU
     python -m megatron_dapo.tiny --out /tmp/tb --steps 20 --force       # seconds; a useless model
+    python -m megatron_dapo.tiny --recipe steps                          # the DAPO study's base
 
 `tools/make_tiny_base.py` is the same command. Exit 2 when --out is taken or a limit is not positive.
 """
@@ -11,8 +12,16 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
-from megatron_dapo.tiny.base import DEFAULT_OUT, OutputExistsError, Settings, build_tiny_base
+from megatron_dapo.tiny import steps_base
+from megatron_dapo.tiny.base import (
+    DEFAULT_OUT,
+    OutputExistsError,
+    Settings,
+    arithmetic_recipe,
+    build_tiny_base,
+)
 
 EXIT_REFUSED = 2
 
@@ -23,10 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build the tiny base policy (a character-level tokenizer and a small Qwen2 warm-started "
                     "on the built-in arithmetic task) as a Hugging Face folder.",
     )
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    p.add_argument("--seconds", type=float, default=Settings.seconds, help="wall-time limit of training")
-    p.add_argument("--steps", type=int, default=Settings.max_steps,
-                   help="step limit (and length of the lr schedule)")
+    p.add_argument("--recipe", choices=("tiny", "steps"), default="tiny",
+                   help="tiny: the embedded default's base; steps: the DAPO study's (megatron_dapo.tiny.steps_base)")
+    p.add_argument("--out", help=f"output folder (default {DEFAULT_OUT}, or {steps_base.DEFAULT_OUT} for steps)")
+    p.add_argument("--seconds", type=float, help="wall-time limit of training (default: the recipe's)")
+    p.add_argument("--steps", type=int, help="step limit and length of the lr schedule (default: the recipe's)")
     p.add_argument("--seed", type=int, default=Settings.seed)
     p.add_argument("--threads", type=int, default=Settings.threads,
                    help="torch threads while building (default 1; 0 leaves torch's default)")
@@ -36,14 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.steps < 1 or args.seconds <= 0:
+    if (args.steps is not None and args.steps < 1) or (args.seconds is not None and args.seconds <= 0):
         print("error: --steps and --seconds must be positive", file=sys.stderr)
         return EXIT_REFUSED
-    settings = Settings(
-        seconds=args.seconds, max_steps=args.steps, seed=args.seed, threads=args.threads or None
-    )
+    recipe = steps_base.steps_recipe() if args.recipe == "steps" else arithmetic_recipe()
+    out = args.out or (steps_base.DEFAULT_OUT if args.recipe == "steps" else DEFAULT_OUT)
+    settings = replace(recipe.settings, seed=args.seed, threads=args.threads or None,
+                       seconds=recipe.settings.seconds if args.seconds is None else args.seconds,
+                       max_steps=recipe.settings.max_steps if args.steps is None else args.steps)
     try:
-        build_tiny_base(args.out, settings, force=args.force)
+        build_tiny_base(out, settings, force=args.force, recipe=recipe)
     except OutputExistsError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REFUSED

@@ -40,9 +40,10 @@ import contextlib
 import hashlib
 import json
 import os
+import random
 import shutil
-from collections.abc import Iterator
-from dataclasses import asdict
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,8 @@ from megatron_dapo.data.datasets import load_prompts
 from megatron_dapo.tiny.evaluation import EVAL_SAMPLES, MAX_NEW_TOKENS, VAL_SPEC, evaluate
 from megatron_dapo.tiny.tokenizer import build_char_tokenizer, save_tokenizer
 from megatron_dapo.tiny.warmstart import Settings, build_model, count_params, torch_threads, train
-from megatron_dapo.tiny.warmstart_data import RAMBLE_ECHOES, STYLE_WEIGHTS, make_examples
+from megatron_dapo.tiny.warmstart_data import RAMBLE_ECHOES, STYLE_WEIGHTS, Example, draw_style, make_examples
+from megatron_dapo.types import Prompt
 
 DEFAULT_OUT = "checkpoints/tiny_base"
 TRAIN_SPEC = "builtin:arithmetic?n=4000&seed=0"
@@ -68,13 +70,52 @@ class OutputExistsError(FileExistsError):
     """--out is a non-empty folder (or a file) and --force was not given."""
 
 
-def recipe_fingerprint() -> str:
-    """"<RECIPE>-<hash>" of everything that shapes a default build besides the code: the `Settings`
-    defaults, the training prompts and the answer-style mix."""
-    recipe = {"settings": asdict(Settings()), "train_prompts": TRAIN_SPEC,
-              "style_weights": STYLE_WEIGHTS, "ramble_echoes": list(RAMBLE_ECHOES)}
-    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    return f"{RECIPE}-{digest}"
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """What a base build is: a task, warm-start data in mixed styles, a model, an evaluation.
+
+    Two recipes exist: the tiny base of the embedded default (`arithmetic_recipe`, built into
+    checkpoints/tiny_base) and the steps base of the DAPO study (`megatron_dapo.tiny.steps_base`)."""
+
+    name: str
+    """For messages ("tiny base")."""
+    version: int
+    """Version of the recipe's code; bump it when the code changes what a build makes."""
+    train_spec: str
+    val_spec: str
+    settings: Settings
+    """The recipe's default model and optimisation settings."""
+    data: dict[str, Any]
+    """The warm-start data constants (style mix, ...): hashed into the fingerprint."""
+    make_examples: Callable[[Any, Sequence[Prompt]], list[Example]]
+    draw: Callable[[random.Random], Hashable]
+    """Draws the key of an `Example.targets` variant (its style) for one use of an example."""
+    max_new_tokens: int
+    eval_samples: int
+    length_pool: int = 1
+    """Warm-start batches grouped by length over this many batches (1: plain shuffled batches)."""
+
+    def fingerprint(self) -> str:
+        """"<version>-<hash>" of everything that shapes a default build besides the code: the
+        `settings` defaults, the training prompts and the warm-start data constants."""
+        recipe = {"settings": asdict(self.settings), "train_prompts": self.train_spec, **self.data}
+        if self.length_pool != 1:
+            recipe["length_pool"] = self.length_pool
+        digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+        return f"{self.version}-{digest}"
+
+
+def arithmetic_recipe() -> Recipe:
+    """The tiny base of the embedded default (read at call time: its constants are module globals)."""
+    return Recipe(name="tiny base", version=RECIPE, train_spec=TRAIN_SPEC, val_spec=VAL_SPEC, settings=Settings(),
+                  data={"style_weights": STYLE_WEIGHTS, "ramble_echoes": list(RAMBLE_ECHOES)},
+                  make_examples=make_examples, draw=draw_style, max_new_tokens=MAX_NEW_TOKENS,
+                  eval_samples=EVAL_SAMPLES)
+
+
+def recipe_fingerprint(recipe: Recipe | None = None) -> str:
+    """The fingerprint of `recipe` (default: the tiny base's)."""
+    return (recipe or arithmetic_recipe()).fingerprint()
 
 
 def _is_nonempty(path: Path) -> bool:
@@ -82,13 +123,17 @@ def _is_nonempty(path: Path) -> bool:
 
 
 def build_tiny_base(
-    out: str | Path, settings: Settings = Settings(), *, force: bool = False, progress: bool = True
+    out: str | Path, settings: Settings | None = None, *, force: bool = False, progress: bool = True,
+    recipe: Recipe | None = None,
 ) -> dict[str, Any]:
-    """Build, train, evaluate and save the tiny base into `out`; returns the contents of base_info.json.
+    """Build, train, evaluate and save a base into `out` (default recipe: the tiny base; default
+    settings: the recipe's); returns the contents of base_info.json.
 
     Refuses (OutputExistsError) a non-empty `out` unless `force`. Leaves the caller's torch RNG state
     and thread settings untouched.
     """
+    recipe = recipe or arithmetic_recipe()
+    settings = settings or recipe.settings
     out = Path(out)
     if _is_nonempty(out) and not force:
         raise OutputExistsError(f"{out} exists and is not empty; pass --force to overwrite it")
@@ -101,7 +146,7 @@ def build_tiny_base(
             torch.manual_seed(settings.seed)
             tokenizer = build_char_tokenizer(settings.max_position_embeddings)
             model = build_model(tokenizer, settings)
-            info = _train_and_evaluate(model, tokenizer, settings, log, progress)
+            info = _train_and_evaluate(model, tokenizer, settings, recipe, log, progress)
         _save(model, tokenizer, info, staging)
         if out.exists():
             if not force and _is_nonempty(out):  # appeared while we were training
@@ -111,31 +156,33 @@ def build_tiny_base(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log(
-        f"greedy accuracy {info['greedy_acc']:.3f}, sampled (T=1.0, k={EVAL_SAMPLES}) accuracy "
+        f"greedy accuracy {info['greedy_acc']:.3f}, sampled (T=1.0, k={recipe.eval_samples}) accuracy "
         f"{info['sampled_acc']:.3f}; saved to {out}"
     )
     return info
 
 
-def _train_and_evaluate(model: Any, tokenizer: Any, settings: Settings, log: Any, progress: bool
+def _train_and_evaluate(model: Any, tokenizer: Any, settings: Settings, recipe: Recipe, log: Any, progress: bool
                         ) -> dict[str, Any]:
     """Warm-start `model` in place and evaluate it; returns the contents of base_info.json."""
     n_params = count_params(model)
-    train_prompts = load_prompts(TRAIN_SPEC).prompts
-    val_prompts = load_prompts(VAL_SPEC).prompts
+    train_prompts = load_prompts(recipe.train_spec).prompts
+    val_prompts = load_prompts(recipe.val_spec).prompts
     log(
-        f"tiny base: Qwen2 {n_params / 1e6:.2f}M params, vocab {len(tokenizer)}, "
+        f"{recipe.name}: Qwen2 {n_params / 1e6:.2f}M params, vocab {len(tokenizer)}, "
         f"{len(train_prompts)} train prompts; "
         f"up to {settings.max_steps} steps or {settings.seconds:.0f} s"
     )
-    examples = make_examples(tokenizer, train_prompts)
-    trained = train(model, examples, tokenizer.pad_token_id, settings, progress=progress)
+    examples = recipe.make_examples(tokenizer, train_prompts)
+    trained = train(model, examples, tokenizer.pad_token_id, settings, progress=progress, draw=recipe.draw,
+                    length_pool=recipe.length_pool)
     note = " - limited by --seconds: the result depends on this machine's speed"
     log(
         f"trained {trained.steps} steps in {trained.seconds:.1f} s (loss {trained.loss:.3f})"
         f"{note if trained.time_limited else ''}; evaluating on {len(val_prompts)} val prompts"
     )
-    result = evaluate(model, tokenizer, val_prompts, seed=settings.seed)
+    result = evaluate(model, tokenizer, val_prompts, seed=settings.seed, max_new_tokens=recipe.max_new_tokens,
+                      samples=recipe.eval_samples)
     for line in result["examples"]:
         log(f"  {line}")
     return {
@@ -144,19 +191,20 @@ def _train_and_evaluate(model: Any, tokenizer: Any, settings: Settings, log: Any
         "steps": trained.steps,
         "greedy_acc": result["greedy_acc"],
         "sampled_acc": result["sampled_acc"],
+        **{k: result[k] for k in ("sampled_len_mean", "sampled_truncated") if k in result},
         "seed": settings.seed,
-        "recipe": RECIPE,
-        "recipe_fingerprint": recipe_fingerprint(),
-        "style_weights": STYLE_WEIGHTS,
+        "recipe": recipe.version,
+        "recipe_fingerprint": recipe.fingerprint(),
+        "style_weights": recipe.data["style_weights"],
         "final_loss": round(trained.loss, 4),
         "time_limited": trained.time_limited,
         "eval": {
-            "prompts": VAL_SPEC,
-            "samples": EVAL_SAMPLES,
+            "prompts": recipe.val_spec,
+            "samples": recipe.eval_samples,
             "temperature": 1.0,
-            "max_new_tokens": MAX_NEW_TOKENS,
+            "max_new_tokens": recipe.max_new_tokens,
         },
-        "train_prompts": TRAIN_SPEC,
+        "train_prompts": recipe.train_spec,
         "settings": asdict(settings),
     }
 
@@ -197,27 +245,35 @@ def ensure_tiny_base(out: str | Path = DEFAULT_OUT, seconds: float = Settings.se
 
     Raises OutputExistsError when `out` holds something else (a non-empty folder without base_info.json).
     """
+    return ensure_base(arithmetic_recipe(), out, seconds, seed=seed)
+
+
+def ensure_base(recipe: Recipe, out: str | Path, seconds: float | None = None, *, seed: int = 0) -> Path:
+    """`ensure_tiny_base` for any recipe (`seconds` None: the recipe's time limit)."""
     out = Path(out)
-    if _outdated(out) is None:
+    if _outdated(out, recipe) is None:
         return out
     with _build_lock(out):
-        why = _outdated(out)
+        why = _outdated(out, recipe)
         if why is not None:
-            print(f"building the tiny base model in {out} ({why}; <= {seconds:.0f} s of training)", flush=True)
-            build_tiny_base(out, Settings(seconds=seconds, seed=seed), force=(out / INFO_FILE).is_file())
+            settings = replace(recipe.settings, seed=seed,
+                               seconds=recipe.settings.seconds if seconds is None else seconds)
+            print(f"building the {recipe.name} model in {out} ({why}; <= {settings.seconds:.0f} s of training)",
+                  flush=True)
+            build_tiny_base(out, settings, force=(out / INFO_FILE).is_file(), recipe=recipe)
     return out
 
 
-def _outdated(out: Path) -> str | None:
-    """Why the tiny base in `out` must be (re)built, or None when it is current."""
+def _outdated(out: Path, recipe: Recipe) -> str | None:
+    """Why the base in `out` must be (re)built, or None when it is current."""
     info_file = out / INFO_FILE
     if not info_file.is_file():
         return "first use"
     info = json.loads(info_file.read_text())
-    found, expected = info.get("recipe_fingerprint"), recipe_fingerprint()
+    found, expected = info.get("recipe_fingerprint"), recipe.fingerprint()
     if found == expected:
         return None
-    recipe = info.get("recipe", 0)  # 0: built before recipes were recorded
-    if recipe != RECIPE:
-        return f"it was built by recipe {recipe}, this is recipe {RECIPE}"
+    version = info.get("recipe", 0)  # 0: built before recipes were recorded
+    if version != recipe.version:
+        return f"it was built by recipe {version}, this is recipe {recipe.version}"
     return f"its recipe fingerprint is {found}, this one is {expected} (the Settings defaults or data changed)"

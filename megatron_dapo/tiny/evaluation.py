@@ -24,9 +24,11 @@ EVAL_SAMPLES = 4
 
 @torch.no_grad()
 def generate_responses(
-    model: Any, tokenizer: Any, prompts: Sequence[Prompt], *, sample: bool, n: int = 1, seed: int = 0
+    model: Any, tokenizer: Any, prompts: Sequence[Prompt], *, sample: bool, n: int = 1, seed: int = 0,
+    max_new_tokens: int = MAX_NEW_TOKENS, lengths: list[int] | None = None,
 ) -> list[list[str]]:
-    """`n` responses per prompt with `model.generate` (greedy, or plain sampling at temperature 1.0)."""
+    """`n` responses per prompt with `model.generate` (greedy, or plain sampling at temperature 1.0);
+    `lengths`, if given, receives each response's token count (eos excluded)."""
     rendered = [render_prompt_ids(tokenizer, p) for p in prompts]
     width = max(len(ids) for ids in rendered)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -35,7 +37,7 @@ def generate_responses(
     for row, ids in enumerate(rendered):  # left padding
         input_ids[row, width - len(ids) :] = torch.tensor(ids)
         attention_mask[row, width - len(ids) :] = 1
-    kwargs: dict[str, Any] = dict(max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos, pad_token_id=pad)
+    kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
     if sample:
         kwargs.update(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n)
     else:
@@ -47,6 +49,8 @@ def generate_responses(
     for row, seq in enumerate(out[:, width:].tolist()):
         if eos in seq:
             seq = seq[: seq.index(eos)]
+        if lengths is not None:
+            lengths.append(len(seq))
         responses[row // (n if sample else 1)].append(decode_response(tokenizer, seq))
     return responses
 
@@ -57,10 +61,14 @@ def accuracy(prompts: Sequence[Prompt], responses: Sequence[Sequence[str]]) -> f
     return sum(hits) / len(hits) if hits else 0.0
 
 
-def evaluate(model: Any, tokenizer: Any, prompts: Sequence[Prompt], *, seed: int) -> dict[str, Any]:
-    """Greedy and sampled (T=1.0, `EVAL_SAMPLES` per prompt) accuracy, and a few example responses."""
-    greedy = generate_responses(model, tokenizer, prompts, sample=False)
-    sampled = generate_responses(model, tokenizer, prompts, sample=True, n=EVAL_SAMPLES, seed=seed)
+def evaluate(model: Any, tokenizer: Any, prompts: Sequence[Prompt], *, seed: int,
+             max_new_tokens: int = MAX_NEW_TOKENS, samples: int = EVAL_SAMPLES) -> dict[str, Any]:
+    """Greedy and sampled (T=1.0, `samples` per prompt) accuracy, the sampled responses' mean length and
+    truncated fraction (at `max_new_tokens`), and a few example responses."""
+    greedy = generate_responses(model, tokenizer, prompts, sample=False, max_new_tokens=max_new_tokens)
+    lengths: list[int] = []
+    sampled = generate_responses(model, tokenizer, prompts, sample=True, n=samples, seed=seed,
+                                 max_new_tokens=max_new_tokens, lengths=lengths)
     examples = [
         f"{''.join(m['content'] for m in p.messages)} -> {g[0]!r} (truth {p.ground_truth})"
         for p, g in zip(prompts[:4], greedy[:4])
@@ -68,5 +76,7 @@ def evaluate(model: Any, tokenizer: Any, prompts: Sequence[Prompt], *, seed: int
     return {
         "greedy_acc": accuracy(prompts, greedy),
         "sampled_acc": accuracy(prompts, sampled),
+        "sampled_len_mean": sum(lengths) / max(len(lengths), 1),
+        "sampled_truncated": sum(n >= max_new_tokens for n in lengths) / max(len(lengths), 1),
         "examples": examples,
     }

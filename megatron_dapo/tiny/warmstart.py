@@ -13,14 +13,14 @@ import math
 import random
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from megatron_dapo.tiny.models import tiny_config
-from megatron_dapo.tiny.warmstart_data import Example, batches
+from megatron_dapo.tiny.warmstart_data import Example, batches, draw_style
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,12 @@ class TrainResult:
 
 
 def train(
-    model: Any, examples: Sequence[Example], pad_id: int, settings: Settings, *, progress: bool
+    model: Any, examples: Sequence[Example], pad_id: int, settings: Settings, *, progress: bool,
+    draw: Callable[[random.Random], Hashable] = draw_style, length_pool: int = 1,
 ) -> TrainResult:
-    """Supervised warm-start (loss on the target tokens only) until max_steps or `seconds` of wall time."""
+    """Supervised warm-start (loss on the target tokens only) until max_steps or `seconds` of wall time;
+    `draw` picks the target variant (style) of each use of an example, `length_pool` > 1 groups
+    batches by length (see `warmstart_data.batches`)."""
     from tqdm import tqdm
 
     rng = random.Random(settings.seed)
@@ -110,7 +113,7 @@ def train(
         model.parameters(), lr=settings.lr, betas=(0.9, 0.98), weight_decay=settings.weight_decay
     )
     model.train()
-    data = batches(examples, settings.batch_size, pad_id, rng)
+    data = batches(examples, settings.batch_size, pad_id, rng, draw, length_pool)
     recent: list[float] = []
     steps, time_limited = 0, False
     start = time.monotonic()

@@ -20,7 +20,7 @@ style it picks is what the reward can teach.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +56,7 @@ class Example:
     """A prompt's ids and its target ids (each ending in <eos>) for every style variant."""
 
     prompt_ids: list[int]
-    targets: dict[tuple[str, int], list[int]]
+    targets: dict[Hashable, list[int]]
 
 
 def make_examples(tokenizer: Any, prompts: Sequence[Prompt]) -> list[Example]:
@@ -91,9 +91,26 @@ def collate(rows: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tuple[t
     return input_ids, labels
 
 
-def batches(examples: Sequence[Example], batch_size: int, pad_id: int, rng: random.Random
+def batches(examples: Sequence[Example], batch_size: int, pad_id: int, rng: random.Random,
+            draw: Callable[[random.Random], Hashable] = draw_style, pool: int = 1
             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless shuffled epochs of `examples`, each use with a freshly drawn style."""
+    """Endless shuffled epochs of `examples`, each use with a freshly drawn style (`draw`).
+
+    With `pool` > 1, the rows of `pool` batches at a time are sorted by length and cut into batches
+    served in random order (a length-grouped sampler: less padding when target lengths vary widely)."""
+    drawn = _row_batches(examples, batch_size, rng, draw)
+    while True:
+        group = [next(drawn) for _ in range(pool)]
+        if pool > 1:
+            rows = sorted((r for g in group for r in g), key=lambda r: len(r[0]) + len(r[1]))
+            group = [rows[i * batch_size : (i + 1) * batch_size] for i in range(pool)]
+            rng.shuffle(group)
+        for rows in group:
+            yield collate(rows, pad_id)
+
+
+def _row_batches(examples: Sequence[Example], batch_size: int, rng: random.Random,
+                 draw: Callable[[random.Random], Hashable]) -> Iterator[list[tuple[list[int], list[int]]]]:
     order: list[int] = []
     while True:
         if len(order) < batch_size:
@@ -101,8 +118,4 @@ def batches(examples: Sequence[Example], batch_size: int, pad_id: int, rng: rand
             rng.shuffle(epoch)
             order.extend(epoch)
         picked, order = order[:batch_size], order[batch_size:]
-        rows = []
-        for i in picked:
-            ex = examples[i]
-            rows.append((ex.prompt_ids, ex.targets[draw_style(rng)]))
-        yield collate(rows, pad_id)
+        yield [(examples[i].prompt_ids, examples[i].targets[draw(rng)]) for i in picked]
