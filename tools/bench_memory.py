@@ -46,7 +46,8 @@ def run_variant(repo: Path, model: Path, work: Path, a: argparse.Namespace, extr
            f"logging.run_name=mem{time.monotonic_ns()}", "train.steps=1", f"train.prompt_batch_size={a.prompts}",
            f"train.mini_batch_size={a.prompts}", f"algo.group_size={a.group}", "algo.dynamic_sampling=false",
            f"rollout.max_response_len={a.response_len}", "reward.overlong_cache_len=8", "eval.every_steps=0",
-           "checkpoint.save_every=0", "checkpoint.export_hf=false", "checkpoint.resume=none", *extra]
+           "checkpoint.save_every=0", "checkpoint.export_hf=false", "checkpoint.resume=none",
+           "actor.offload_when_idle=false", *extra]  # the actor keeps its weights: the engine may share them
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
