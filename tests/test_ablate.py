@@ -195,3 +195,16 @@ def test_study_smoke_two_steps_and_resume(tmp_path, python_env, seconds_base):
     after = {p.name: p.stat().st_mtime_ns for p in (out / "runs").iterdir()}
     assert after.keys() == stored.keys() and after["token_loss_seed1.json"] == stored["token_loss_seed1.json"]
     assert len(json.loads((out / "wall_time.json").read_text())) == 2
+
+
+def test_seed_mean_interpolates_when_seeds_share_no_x():
+    """Under dynamic sampling each seed logs a different responses-generated axis: the mean is taken on
+    the seeds' own x values inside the common range, each seed interpolated linearly (hand values)."""
+    from megatron_dapo.study.report import _seed_mean
+
+    same = _seed_mean([([0, 1, 2], [0.0, 1.0, 2.0]), ([0, 1, 2], [2.0, 3.0, 4.0])])
+    assert same == ([0, 1, 2], [1.0, 2.0, 3.0])
+    xs, ys = _seed_mean([([0, 10, 20], [0.0, 1.0, 2.0]), ([5, 15, 30], [1.0, 2.0, 3.0])])
+    assert xs == [5, 10, 15, 20]  # the range both cover: [5, 20]
+    # seed 1 at 5/10/15/20: 0.5, 1, 1.5, 2; seed 2: 1, 1.5, 2, 2 + 5/15
+    assert ys == pytest.approx([0.75, 1.25, 1.75, (2.0 + 2.0 + 1 / 3) / 2])

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from megatron_dapo.study.curves import at, first_reaching
 from megatron_dapo.study.spec import Study
 
@@ -111,9 +113,17 @@ def _xy(result: dict[str, Any], tag: str, x: str) -> tuple[list[float], list[flo
 
 
 def _seed_mean(xys: list[tuple[list[float], list[float]]]) -> tuple[list[float], list[float]]:
-    """Mean over seeds at each x that every seed has (a run's steps differ only with dynamic sampling)."""
-    common = sorted(set.intersection(*(set(x) for x, _ in xys))) if xys else []
-    return common, [statistics.mean(dict(zip(x, y))[c] for x, y in xys) for c in common]
+    """Mean over seeds at each x that every seed has; where the seeds share no x (responses generated under
+    dynamic sampling differ per seed), at every seed's x inside the range all seeds cover, each seed
+    interpolated linearly there."""
+    if not xys:
+        return [], []
+    common = sorted(set.intersection(*(set(x) for x, _ in xys)))
+    if len(common) >= 2 or len(xys) == 1:
+        return common, [statistics.mean(dict(zip(x, y))[c] for x, y in xys) for c in common]
+    lo, hi = max(x[0] for x, _ in xys), min(x[-1] for x, _ in xys)
+    grid = sorted({c for x, _ in xys for c in x if lo <= c <= hi})
+    return grid, [statistics.mean(float(np.interp(c, x, y)) for x, y in xys) for c in grid]
 
 
 def plot(study: Study, results: list[dict[str, Any]], path: Path) -> None:
