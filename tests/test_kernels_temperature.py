@@ -1,6 +1,6 @@
 """The kernels' temperature and vocab-padding options against the fp32 oracle on explicitly scaled,
 explicitly sliced logits: softmax(logits[..., :valid] / T), values and gradients (the padding columns'
-gradient is zero). Runs on every implementation of tests/test_kernels.py (torch, Triton interpreter,
+gradient is zero). Runs on every implementation of tests/kernel_support.py (torch, Triton interpreter,
 `gpu`: both on CUDA)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from megatron_dapo.kernels import linear_logprobs_and_entropy, token_logprobs_and_entropy
 from megatron_dapo.kernels.reference import reference_logprobs_and_entropy
-from test_kernels import GRAD_RTOL, VALUE_TOL, impl, make_logits, make_targets  # noqa: F401 (fixture)
+from kernel_support import GRAD_RTOL, VALUE_TOL, impl, make_logits, make_targets  # noqa: F401 (fixture)
 
 
 def _grads(fn, leaf_values: tuple[torch.Tensor, ...], g_lp, g_ent):

@@ -91,15 +91,19 @@ def test_no_import_cycle_between_modules():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
-@pytest.mark.parametrize("folder, limit", [("megatron_dapo", MAX_PACKAGE_LINES), ("tools", MAX_TOOL_LINES)])
+@pytest.mark.parametrize("folder, limit", [("megatron_dapo", MAX_PACKAGE_LINES), ("tools", MAX_TOOL_LINES),
+                                           ("tests", MAX_PACKAGE_LINES)])
 def test_files_stay_short(folder, limit):
     long = [f"{p.relative_to(REPO)}: {n} lines" for p in sorted((REPO / folder).rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > limit]
     assert not long, f"files over {limit} lines:\n" + "\n".join(long)
 
 
+PATH_HACK = "sys.path." + "insert"  # spelled in two pieces so this file does not match itself
+
+
 def test_no_sys_path_hacks():
     hits = [f"{p.relative_to(REPO)}:{i}" for folder in ("tests", "tools", "examples")
-            for p in sorted((REPO / folder).rglob("*")) if p.suffix in (".py", ".sh") and p != Path(__file__)
-            for i, line in enumerate(p.read_text().splitlines(), 1) if "sys.path.insert" in line]
-    assert not hits, "sys.path.insert found:\n" + "\n".join(hits)
+            for p in sorted((REPO / folder).rglob("*")) if p.suffix in (".py", ".sh")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if PATH_HACK in line]
+    assert not hits, f"{PATH_HACK} found:\n" + "\n".join(hits)

@@ -58,7 +58,8 @@ export PYTHONPATH="$PWD:/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUN
 stage cuda 30 "$PY" -c "import torch, megatron.core; assert torch.cuda.is_available(), 'no CUDA'; \
 print(torch.__version__, torch.cuda.get_device_name(), megatron.core.__version__)"
 stage pytest 210 "$PY" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
-  tests/test_kernels.py tests/test_kernels_temperature.py tests/test_phases_gpu.py tests/test_actor_gpu.py
+  tests/test_kernels.py tests/test_kernels_loss.py tests/test_kernels_temperature.py tests/test_phases_gpu.py \
+  tests/test_actor_gpu.py
 stage bench_loss 90 "$PY" tools/bench_loss.py --device cuda --json --tokens 16384 --vocab 152064 \
   --impl naive fused fused_inplace naive_linear fused_linear
 stage bench_actor 80 "$PY" tools/bench_actor.py --memory --json --device cuda --tokens 16384 --steps 3
