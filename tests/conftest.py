@@ -41,6 +41,16 @@ def python_env() -> dict:
 PYTHON = sys.executable
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """For a module of tiny models (`pytestmark = pytest.mark.usefixtures("one_thread")`): they gain nothing
+    from intra-op threads, and lose a lot to a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
     """The tests' one tiny-model factory: `tiny_hf("qwen3", tied=True, vocab_size=100, seed=1)` saves a

@@ -5,19 +5,13 @@ with streaming on (monitors, SIGKILL + resume replays exactly)."""
 import hashlib
 import logging
 import math
-import os
-import signal
-import subprocess
-import time
 
 import pytest
-import torch
 from test_streaming import FailingEngine
-from test_train import TAGS, base_dir, run_train, scalars, train_cmd  # noqa: F401 - base_dir is a fixture
+from test_train import TAGS, base_dir, kill_job_at, run_train, scalars, train_cmd  # noqa: F401 - base_dir is a fixture
 
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats
 from megatron_dapo.config import AlgoConfig, ConfigError, RewardConfig, load_config, validate
-from megatron_dapo.reward.scorer import Scorer
 from megatron_dapo.data.arithmetic import make_arithmetic_prompts
 from megatron_dapo.loop.collect import StepRollout, collect_step, seed_of
 from megatron_dapo.loop.stream import (
@@ -27,6 +21,7 @@ from megatron_dapo.loop.stream import (
     rollout_cost_scalars,
     stream_groups,
 )
+from megatron_dapo.reward.scorer import Scorer
 from megatron_dapo.rollout import EmbeddedEngine, SamplingParams
 from megatron_dapo.rollout.base import GroupRequest
 from megatron_dapo.tiny import tiny_model
@@ -35,12 +30,7 @@ from megatron_dapo.types import Group, Prompt, Sample
 VOCAB = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -217,14 +207,8 @@ def test_streaming_sigkill_and_resume_replays_exactly(base_dir, tmp_path, python
     resumed run replays the same groups, kept set included."""
     steps = ["train.steps=3", "checkpoint.save_every=1", "eval.every_steps=0", *STREAM]
     run_train(train_cmd(base_dir, tmp_path, "straight", *steps), python_env)
-    proc = subprocess.Popen(train_cmd(base_dir, tmp_path, "killed", *steps), env=python_env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     marker = tmp_path / "ckpt" / "killed" / "step_00000001" / "COMPLETE"
-    deadline = time.time() + 300
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole group: the run's helper processes too
-    proc.wait(timeout=30)
+    kill_job_at(train_cmd(base_dir, tmp_path, "killed", *steps), python_env, marker)
     assert marker.exists(), "the run never reached its step-1 checkpoint"
     run_train(train_cmd(base_dir, tmp_path, "killed", *steps, "checkpoint.resume=auto"), python_env)
     a, b = scalars(tmp_path / "tb" / "straight"), scalars(tmp_path / "tb" / "killed")

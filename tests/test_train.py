@@ -103,19 +103,24 @@ def test_rollout_correction_and_rollout_logprobs_runs(base_dir, tmp_path, python
         assert all(v < 0.05 for v in tb["timing/old_logprob_s"].values())  # the pi_old pass is skipped
 
 
+def kill_job_at(cmd: list[str], env: dict, marker: Path, timeout: float = 300) -> None:
+    """Start `cmd` and SIGKILL its whole process group once `marker` exists (or the run ends or times out),
+    as a node failure or scancel does: the trainer alone would leave megatron-core's checkpoint-writer
+    Manager (a multiprocessing spawn child) orphaned and running forever."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + timeout
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
 def test_sigkill_and_resume_replays_exactly(base_dir, tmp_path, python_env):
     steps = ["train.steps=4", "checkpoint.save_every=1", "eval.every_steps=0"]
     run_train(train_cmd(base_dir, tmp_path, "straight", *steps), python_env)
-    proc = subprocess.Popen(train_cmd(base_dir, tmp_path, "killed", *steps), env=python_env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     marker = tmp_path / "ckpt" / "killed" / "step_00000002" / "COMPLETE"
-    deadline = time.time() + 300
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.1)
-    # Kill the whole job, as a node failure or scancel does: the trainer alone would leave megatron-core's
-    # checkpoint-writer Manager (a multiprocessing spawn child) orphaned and running forever.
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    kill_job_at(train_cmd(base_dir, tmp_path, "killed", *steps), python_env, marker)
     assert marker.exists(), "the run never reached its step-2 checkpoint"
     assert not (tmp_path / "ckpt" / "killed" / "step_00000004").exists()
     run_train(train_cmd(base_dir, tmp_path, "killed", *steps, "checkpoint.resume=auto"), python_env)
