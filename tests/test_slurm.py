@@ -262,6 +262,11 @@ def test_failing_job_is_reported_failed(slurm_jobs):
     assert re.search(rf"\[launch\] trainer exited with status {info['exit']}$", log, re.M), log[-3000:]
 
 
+# Enough steps that USR1, sent once step 1 shows in TensorBoard, lands before the last one even when a
+# tiny step takes a third of a second (CI saw step 4 finish first with 4 steps).
+PREEMPT_STEPS = 30
+
+
 @pytest.mark.slurm
 def test_usr1_before_the_time_limit_saves_requeues_and_resumes(tmp_path):
     """`#SBATCH --signal=B:USR1@120` as the time limit nears (sent here with `scancel --signal=USR1 --batch`
@@ -275,7 +280,7 @@ def test_usr1_before_the_time_limit_saves_requeues_and_resumes(tmp_path):
         base = ensure_tiny_base(tmp_path / "tiny_base", seconds=5)
     r = bash("examples/run_dapo_tiny.sh", "--output", str(tmp_path / "%x-%j.out"), f"model.hf_dir={base}",
              f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path / 'tb'}",
-             "logging.run_name=slurm_preempt", *FAST, "train.steps=4", "checkpoint.save_every=0",
+             "logging.run_name=slurm_preempt", *FAST, f"train.steps={PREEMPT_STEPS}", "checkpoint.save_every=0",
              env=script_env(LAUNCH="slurm"), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     job = r.stdout.strip().splitlines()[-1]
@@ -288,13 +293,13 @@ def test_usr1_before_the_time_limit_saves_requeues_and_resumes(tmp_path):
     info = wait_for([job], timeout=900)[job]
     log = log_path.read_text()
     assert info["state"] == "COMPLETED" and info["exit"] == 0, info["text"] + log[-5000:]
-    saved = re.search(r"preempted: stopped by SIGUSR1 after step (\d): checkpoint \S+step_0*(\d)", log)
-    assert saved and saved.group(1) == saved.group(2) and int(saved.group(1)) < 4, log[-5000:]
+    saved = re.search(r"preempted: stopped by SIGUSR1 after step (\d+): checkpoint \S+step_0*(\d+)", log)
+    assert saved and saved.group(1) == saved.group(2) and int(saved.group(1)) < PREEMPT_STEPS, log[-5000:]
     for needle in ("SIGUSR1 (time limit near)", f"requeueing job {job}", "(restart 1)",
-                   f"resumed from {tmp_path / 'ckpt' / 'slurm_preempt'}/step_0000000{saved.group(1)}"):
+                   f"resumed from {tmp_path / 'ckpt' / 'slurm_preempt'}/step_{int(saved.group(1)):08d}"):
         assert needle in log, (needle, log[-5000:])
     assert "Traceback" not in log, log[-5000:]
-    assert _logged_steps(tmp_path / "tb" / "slurm_preempt") == {1, 2, 3, 4}
+    assert _logged_steps(tmp_path / "tb" / "slurm_preempt") == set(range(1, PREEMPT_STEPS + 1))
 
 
 def _logged_steps(logdir: Path) -> set[int]:
