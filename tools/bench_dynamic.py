@@ -18,11 +18,17 @@ alternate which mode goes first. wall_s sums the steps' rollout times; wasted_to
 trimmed (rounds) or aborted groups' tokens (streaming). Streaming favours groups that finish early:
 kept_response_len (the kept samples' mean length) and kept_truncated_frac (their fraction cut at the limit)
 show by how much.
+
+forward_passes counts the engine's model forward passes (prefill and decode; SGLang: its logged batches,
+the server runs with --decode-log-interval 1). On this CPU a pass costs in proportion to its rows, so
+wall time follows tokens; a GPU decoding a small batch is memory-bound, a pass costs about the same
+whatever its rows, and wall time follows forward passes instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import math
 import tempfile
@@ -155,23 +161,65 @@ def streaming(engine: RolloutEngine, prompts: Iterator, algo: AlgoConfig, args,
 MODES: dict[str, Callable] = {"rounds": rounds, "streaming": streaming}
 
 
+class ForwardCounter:
+    """Model forward passes: the embedded engine's decoder calls, or the batches an SGLang server logged."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.log = getattr(engine, "log_path", None)
+        self.calls = 0
+
+    def passes(self) -> int:
+        if self.log is None:
+            return self.calls
+        text = Path(self.log).read_text(errors="replace")
+        return text.count("Decode batch") + text.count("Prefill batch")
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        if self.log is not None:
+            yield
+            return
+        from megatron_dapo.rollout.decoders import HFDecoder, LlamaDecoder
+
+        originals = {cls: cls._forward for cls in (HFDecoder, LlamaDecoder)}
+
+        def wrap(forward):
+            def counted(*a, **k):
+                self.calls += 1
+                return forward(*a, **k)
+            return counted
+
+        for cls, forward in originals.items():
+            cls._forward = wrap(forward)
+        try:
+            yield
+        finally:
+            for cls, forward in originals.items():
+                cls._forward = forward
+
+
 def compare(engine_name: str, engine: RolloutEngine, args: argparse.Namespace) -> list[dict]:
     algo = AlgoConfig(group_size=args.group_size, gen_batch_multiplier=args.gen_batch_multiplier)
-    totals = {m: {"kept": 0, "wall": 0.0, "tokens": 0, "wasted": 0, "lens": [], "cut": []} for m in MODES}
+    totals = {m: {"kept": 0, "wall": 0.0, "tokens": 0, "wasted": 0, "passes": 0, "lens": [], "cut": []}
+              for m in MODES}
+    counter = ForwardCounter(engine)
     for step in range(args.steps):
         order = list(MODES) if step % 2 == 0 else list(MODES)[::-1]
         for mode in order:
-            t0 = time.perf_counter()
-            kept, (tokens, wasted) = MODES[mode](engine, prompt_stream(1000 + step, args), algo, args, step)
+            t0, p0 = time.perf_counter(), counter.passes()
+            with counter.counting():
+                kept, (tokens, wasted) = MODES[mode](engine, prompt_stream(1000 + step, args), algo, args, step)
             t = totals[mode]
             t["wall"] += time.perf_counter() - t0
+            t["passes"] += counter.passes() - p0
             t["kept"] += len(kept)
             t["tokens"] += tokens
             t["wasted"] += wasted
             t["lens"] += [s.response_len for g in kept for s in g.samples]
             t["cut"] += [s.truncated for g in kept for s in g.samples]
     return [{"engine": engine_name, "mode": m, "kept_groups": t["kept"], "wall_s": round(t["wall"], 3),
-             "generated_tokens": t["tokens"], "wasted_tokens": t["wasted"], "steps": args.steps,
+             "generated_tokens": t["tokens"], "wasted_tokens": t["wasted"], "forward_passes": t["passes"],
+             "steps": args.steps,
              "kept_response_len": round(sum(t["lens"]) / max(len(t["lens"]), 1), 1),
              "kept_truncated_frac": round(sum(t["cut"]) / max(len(t["cut"]), 1), 3)}
             for m, t in totals.items()]
@@ -195,7 +243,7 @@ def open_engine(name: str, model, folder: Path, args: argparse.Namespace) -> Rol
     model.save_pretrained(folder / "policy")
     return SGLangEngine(folder / "policy", SGLangConfig(startup_timeout_s=600, request_timeout_s=1200),
                         python=default_python(), dtype="float32", max_total_tokens=1 << 16,
-                        log_dir=folder / "logs", port=args.port)
+                        log_dir=folder / "logs", port=args.port, extra_args=("--decode-log-interval", "1"))
 
 
 def main(args: argparse.Namespace) -> list[dict]:

@@ -149,7 +149,8 @@ def dynamic(args: argparse.Namespace) -> None:
         print(f"{row['engine']:<9}{row['mode']:<10} kept {row['kept_groups']:>4}  "
               f"wall {row['wall_s']:>8.2f} s "
               f"(x{row['wall_s'] / base['wall_s']:.2f})  tokens/kept group {per_group:>7.0f}  "
-              f"wasted {row['wasted_tokens']:>6}  kept len {row['kept_response_len']}")
+              f"wasted {row['wasted_tokens']:>6}  kept len {row['kept_response_len']}  forward passes "
+              f"{row['forward_passes']:>6} (x{row['forward_passes'] / max(base['forward_passes'], 1):.2f})")
 
 
 def report(rates: dict[str, float], args: argparse.Namespace) -> None:
