@@ -1,4 +1,5 @@
-"""Peak-memory and time measurement for the benchmark tools (tools/bench_loss.py, tools/bench_actor.py).
+"""Peak-memory and time measurement for the benchmark tools (tools/bench_loss.py, tools/bench_actor.py),
+and forward-pass counting for tools/bench_dynamic.py (`ForwardCounter`).
 
 Each case runs in a fresh subprocess (`run_case`), so one case's allocations never inflate another's
 peak. Inside it, `PeakMemory` measures the extra memory a block needs over what was alive before it:
@@ -9,13 +10,16 @@ allocation >= 64 KiB and to trim at once, so freed tensors leave the resident se
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -86,3 +90,40 @@ def run_case(args: list[str], *, timeout: float, label: str, env: dict[str, str]
         print(f"# {label} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
         return None
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class ForwardCounter:
+    """Model forward passes: the embedded engine's decoder calls, or the batches an SGLang server logged."""
+
+    def __init__(self, engine: Any) -> None:
+        self.log = getattr(engine, "log_path", None)
+        self.calls = 0
+
+    def passes(self) -> int:
+        if self.log is None:
+            return self.calls
+        text = Path(self.log).read_text(errors="replace")
+        return text.count("Decode batch") + text.count("Prefill batch")
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        if self.log is not None:
+            yield
+            return
+        from megatron_dapo.rollout.decoders import HFDecoder, LlamaDecoder
+
+        originals = {cls: cls._forward for cls in (HFDecoder, LlamaDecoder)}
+
+        def wrap(forward):
+            def counted(*a, **k):
+                self.calls += 1
+                return forward(*a, **k)
+            return counted
+
+        for cls, forward in originals.items():
+            cls._forward = wrap(forward)
+        try:
+            yield
+        finally:
+            for cls, forward in originals.items():
+                cls._forward = forward

@@ -115,9 +115,12 @@ def collect(run: RunState, step: int) -> StepRollout:
     cfg = run.cfg
     common = dict(target_groups=cfg.train.prompt_batch_size, algo=cfg.algo, scorer=run.scorer)
     if cfg.rollout.streaming:
-        return collect_stream(run.engine, run.tokenizer, run.next_prompts, **common,
-                              sampling=lambda g: group_sampling(cfg, step, g, run.eos_ids),
-                              max_inflight_groups=cfg.rollout.max_inflight_groups)
+        rollout = collect_stream(run.engine, run.tokenizer, run.next_prompts, **common,
+                                 sampling=lambda g: group_sampling(cfg, step, g, run.eos_ids),
+                                 max_inflight_groups=cfg.rollout.max_inflight_groups,
+                                 partial=cfg.rollout.partial_rollout, carry=run.carry)
+        run.carry = rollout.carry
+        return rollout
     return collect_step(run.engine, run.tokenizer, run.next_prompts, **common,
                         sampling=lambda r: step_sampling(cfg, step, r, run.eos_ids))
 

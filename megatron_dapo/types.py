@@ -7,7 +7,8 @@ from typing import Literal
 
 import torch
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "abort"]
+""""abort": a response cut short by a stream's abort (partial rollout carries it on; never trained)."""
 
 
 @dataclass(frozen=True)

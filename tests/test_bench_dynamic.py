@@ -1,5 +1,5 @@
 """tools/bench_rollout.py --dynamic end to end on the embedded engine, at a size that runs in seconds:
-both modes keep the same N groups per step, and each row's counts are consistent with one another."""
+every mode keeps the same N groups per step, and each row's counts are consistent with one another."""
 
 import json
 import os
@@ -22,11 +22,12 @@ def rows() -> dict[str, dict]:
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
     out = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert [(o["engine"], o["mode"]) for o in out] == [("embedded", "rounds"), ("embedded", "streaming")], r.stdout
+    modes = [(o["engine"], o["mode"]) for o in out]
+    assert modes == [("embedded", m) for m in ("rounds", "streaming", "partial")], r.stdout
     return {o["mode"]: o for o in out}
 
 
-@pytest.mark.parametrize("mode", ["rounds", "streaming"])
+@pytest.mark.parametrize("mode", ["rounds", "streaming", "partial"])
 def test_each_mode_keeps_n_groups_per_step(rows, mode):
     row = rows[mode]
     assert row["kept_groups"] == STEPS * GROUPS and row["steps"] == STEPS
@@ -35,10 +36,14 @@ def test_each_mode_keeps_n_groups_per_step(rows, mode):
     assert 0.0 <= row["kept_truncated_frac"] <= 1.0 and 0 < row["kept_response_len"] <= MAX_NEW
 
 
-@pytest.mark.parametrize("mode", ["rounds", "streaming"])
+@pytest.mark.parametrize("mode", ["rounds", "streaming", "partial"])
 def test_forward_passes_are_counted(rows, mode):
     """Every pass (prefill or decode) yields a token for some live row, and a response of L tokens took at
     least L passes (its first token comes from a prefill)."""
     row = rows[mode]
     assert row["kept_response_len"] <= row["forward_passes"] <= row["generated_tokens"]
     assert row["forward_passes"] >= STEPS  # at least one pass per step
+
+
+def test_partial_rollout_wastes_nothing(rows):
+    assert rows["partial"]["wasted_tokens"] == 0 and rows["streaming"]["wasted_tokens"] > 0

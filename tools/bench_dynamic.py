@@ -11,13 +11,15 @@ Every step needs N informative groups of G samples. Two workloads (the lengths m
   --eos-scale: lengths depend on prompt and sample, a few responses run to the limit.
 Prompt i has a difficulty p_i in {0.03, 0.5, 0.97} (one third each); a sample is "correct" when a hash of
 (prompt, response ids) falls below p_i, so informativeness is independent of length and the kept fraction
-is about 0.47, as for a policy mid-training. Both modes run the same engine, N, G, sampling and dynamic-
+is about 0.47, as for a policy mid-training. Every mode runs the same engine, N, G, sampling and dynamic-
 sampling config, and each step the same prompt sequence: "rounds" is loop/collect.py's loop
-(DynamicSampler, one blocking generate per round), "streaming" is loop/stream.py's `stream_groups`. Steps
-alternate which mode goes first. wall_s sums the steps' rollout times; wasted_tokens: surplus groups
-trimmed (rounds) or aborted groups' tokens (streaming). Streaming favours groups that finish early:
-kept_response_len (the kept samples' mean length) and kept_truncated_frac (their fraction cut at the limit)
-show by how much.
+(DynamicSampler, one blocking generate per round), "streaming" is loop/stream.py's `stream_groups`, and
+"partial" (embedded engine only) is `stream_groups` with partial rollout: each step's aborted groups are
+continued by the next. Steps alternate the order of the modes. wall_s sums the steps' rollout times;
+wasted_tokens: surplus groups trimmed (rounds) or aborted groups' tokens (streaming; partial carries them
+on). Streaming favours groups that finish early: kept_response_len (the kept samples' mean length) and
+kept_truncated_frac (their fraction cut at the limit) show by how much, and how much partial rollout
+gives back.
 
 forward_passes counts the engine's model forward passes (prefill and decode; SGLang: its logged batches,
 the server runs with --decode-log-interval 1). On this CPU a pass costs in proportion to its rows, so
@@ -28,7 +30,6 @@ whatever its rows, and wall time follows forward passes instead.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import math
 import tempfile
@@ -39,6 +40,7 @@ from pathlib import Path
 import torch
 
 from megatron_dapo.algo.dynamic_sampling import DynamicSampler, is_informative
+from megatron_dapo.benchmark import ForwardCounter
 from megatron_dapo.config import AlgoConfig, SGLangConfig
 from megatron_dapo.loop.collect import seed_of
 from megatron_dapo.loop.stream import StreamPlan, stream_groups
@@ -125,7 +127,8 @@ def sampling(args: argparse.Namespace, *key) -> SamplingParams:
     return SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=(EOS,), seed=seed_of(*key))
 
 
-def rounds(engine: RolloutEngine, prompts: Iterator, algo: AlgoConfig, args, step: int) -> tuple[list, list]:
+def rounds(engine: RolloutEngine, prompts: Iterator, algo: AlgoConfig, args, step: int,
+           carry: list) -> tuple[list, list]:
     """loop/collect.py's collect_step with this benchmark's prompts and score."""
     sampler = DynamicSampler(args.groups, algo.max_gen_rounds, algo.on_rounds_exhausted,
                              metric=algo.filter_metric)
@@ -147,68 +150,42 @@ def rounds(engine: RolloutEngine, prompts: Iterator, algo: AlgoConfig, args, ste
 
 
 def streaming(engine: RolloutEngine, prompts: Iterator, algo: AlgoConfig, args,
-              step: int) -> tuple[list, list]:
+              step: int, carry: list | None = None) -> tuple[list, list]:
+    """`carry` (a list, partial rollout): the previous step's aborted groups in, this step's out."""
     def request(g: int) -> tuple[Prompt, GroupRequest]:
         prompt, ids = next(prompts)
         return prompt, GroupRequest(key=g, prompt_ids=ids, n=args.group_size,
                                     sampling=sampling(args, "stream", step, g))
 
-    plan = StreamPlan.from_config(algo, args.groups, args.max_inflight_groups)
-    out = stream_groups(engine, request, score, plan)
+    plan = StreamPlan.from_config(algo, args.groups, args.max_inflight_groups, partial=carry is not None)
+    out = stream_groups(engine, request, score, plan, carry or [])
+    if carry is not None:
+        carry[:] = out.carry
     return out.groups, [out.stream.generated_tokens, out.stream.wasted_tokens]
 
 
-MODES: dict[str, Callable] = {"rounds": rounds, "streaming": streaming}
+def partial(engine: RolloutEngine, prompts: Iterator, algo: AlgoConfig, args, step: int,
+            carry: list) -> tuple[list, list]:
+    return streaming(engine, prompts, algo, args, step, carry)
 
 
-class ForwardCounter:
-    """Model forward passes: the embedded engine's decoder calls, or the batches an SGLang server logged."""
-
-    def __init__(self, engine: RolloutEngine) -> None:
-        self.log = getattr(engine, "log_path", None)
-        self.calls = 0
-
-    def passes(self) -> int:
-        if self.log is None:
-            return self.calls
-        text = Path(self.log).read_text(errors="replace")
-        return text.count("Decode batch") + text.count("Prefill batch")
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[None]:
-        if self.log is not None:
-            yield
-            return
-        from megatron_dapo.rollout.decoders import HFDecoder, LlamaDecoder
-
-        originals = {cls: cls._forward for cls in (HFDecoder, LlamaDecoder)}
-
-        def wrap(forward):
-            def counted(*a, **k):
-                self.calls += 1
-                return forward(*a, **k)
-            return counted
-
-        for cls, forward in originals.items():
-            cls._forward = wrap(forward)
-        try:
-            yield
-        finally:
-            for cls, forward in originals.items():
-                cls._forward = forward
+MODES: dict[str, Callable] = {"rounds": rounds, "streaming": lambda *a, carry: streaming(*a), "partial": partial}
 
 
 def compare(engine_name: str, engine: RolloutEngine, args: argparse.Namespace) -> list[dict]:
     algo = AlgoConfig(group_size=args.group_size, gen_batch_multiplier=args.gen_batch_multiplier)
+    modes = list(MODES) if engine_name == "embedded" else ["rounds", "streaming"]  # partial: embedded only
+    carries: dict[str, list] = {m: [] for m in modes}
     totals = {m: {"kept": 0, "wall": 0.0, "tokens": 0, "wasted": 0, "passes": 0, "lens": [], "cut": []}
-              for m in MODES}
+              for m in modes}
     counter = ForwardCounter(engine)
     for step in range(args.steps):
-        order = list(MODES) if step % 2 == 0 else list(MODES)[::-1]
+        order = modes if step % 2 == 0 else modes[::-1]
         for mode in order:
             t0, p0 = time.perf_counter(), counter.passes()
             with counter.counting():
-                kept, (tokens, wasted) = MODES[mode](engine, prompt_stream(1000 + step, args), algo, args, step)
+                kept, (tokens, wasted) = MODES[mode](engine, prompt_stream(1000 + step, args), algo, args, step,
+                                                     carry=carries[mode])
             t = totals[mode]
             t["wall"] += time.perf_counter() - t0
             t["passes"] += counter.passes() - p0

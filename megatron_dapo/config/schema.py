@@ -144,6 +144,10 @@ class RolloutConfig:
     max_inflight_groups: int = 0
     """Streaming: at most this many groups submitted and unfinished (0 = 2 x ceil(N x
     gen_batch_multiplier))."""
+    partial_rollout: bool = False
+    """Streaming, embedded engine: the groups a step aborts continue in the next step from where they
+    stopped (slime's partial rollout) instead of being dropped; their earlier tokens were sampled by an
+    older policy (rollout correction weighs them). The carried groups are saved in checkpoints."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 

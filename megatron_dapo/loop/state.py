@@ -27,6 +27,7 @@ from megatron_dapo.loop.phases import Phases
 from megatron_dapo.loop.preflight import SetupError, check_model, checkpoint_bytes
 from megatron_dapo.loop.prompts import load_train_prompts, load_val_prompts
 from megatron_dapo.loop.startup import StartupReport, system_prompt_note
+from megatron_dapo.loop.stream import carry_state, load_carry
 from megatron_dapo.metrics import Alarms, MetricsWriter, PhaseTimer
 from megatron_dapo.reward import RewardLoadError, Scorer
 from megatron_dapo.rollout.base import RolloutEngine
@@ -59,6 +60,8 @@ class RunState:
     """reward.name's verifier + the overlong term, built once (the driver scores)."""
     start_step: int = 0
     samples_generated: int = 0
+    carry: list = field(default_factory=list)
+    """Partial rollout: the groups the last step aborted, continued by the next (loop/stream.py)."""
     servers: list[Any] = field(default_factory=list)
     """SGLang: servers this rank started for rank 0 to drive (a node leader's); finish() stops them."""
     lock: run_dir.RunLock | None = None
@@ -112,7 +115,8 @@ class RunState:
 
     def save(self, step: int) -> None:
         state = {"data": self.prompts.state_dict() if self.prompts else None, "alarms": self.alarms.state_dict(),
-                 "samples_generated": self.samples_generated, "config": to_dict(self.cfg)}
+                 "samples_generated": self.samples_generated, "config": to_dict(self.cfg),
+                 "carry": carry_state(self.carry)}
         self.phases.train()  # the actor's state on its device (it may sleep through the rollout)
         save_checkpoint(self.actor, self.ckpt_root, step, trainer_state=state, keep_last=self.cfg.checkpoint.keep_last,
                         hf_dir=self.hf_dir)
@@ -128,6 +132,7 @@ class RunState:
             self.prompts.load_state_dict(trainer["data"])
         self.alarms.load_state_dict(trainer.get("alarms", {}))
         self.samples_generated = int(trainer.get("samples_generated", 0))
+        self.carry = load_carry(trainer.get("carry", [])) if self.cfg.rollout.partial_rollout else []
         self.start_step = self.last_saved = int(extra["step"])
         self.writer.load_history(self.start_step)
         if self.is_driver:

@@ -14,12 +14,18 @@ first (engines permitting: see rollout/continuous.py and rollout/sglang/stream.p
 kept (the first N informative to finish), and so how far the data iterator advances, follows completion
 order: on the embedded engine that order is itself deterministic (its stream is one synchronous decode
 loop), on SGLang servers it is timing. Aborted groups' prompts are consumed, as in slime. Groups that
-finish early are favoured: over-sampled long responses are the ones aborted (partial rollout, which
-would continue them next step, is not implemented).
+finish early are favoured: over-sampled long responses are the ones aborted.
+
+Partial rollout (`rollout.partial_rollout`, embedded engine): the aborted groups are not dropped. The
+abort report holds each one's samples so far; the next step submits them first (`carry`), and their
+responses continue where they stopped, under the new weights. Their earlier tokens keep the logprobs of
+the policy that sampled them: the actor recomputes pi_old over the whole response, and the rollout-
+correction weights (`algo.rollout_correction`) account for the gap. The carry is part of the checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -34,7 +40,7 @@ from megatron_dapo.loop.collect import StepRollout, seed_of
 from megatron_dapo.loop.evaluation import score_group
 from megatron_dapo.reward.scorer import Scorer
 from megatron_dapo.rollout.base import AbortReport, GroupRequest, RolloutEngine, SamplingParams
-from megatron_dapo.types import Group, Prompt
+from megatron_dapo.types import Group, Prompt, Sample
 
 log = logging.getLogger(__name__)
 _KEPT_FRAC_FLOOR = 0.1
@@ -55,16 +61,19 @@ class StreamPlan:
     dynamic_sampling: bool = True
     metric: FilterMetric = "acc"
     on_exhausted: OnExhausted = "train_partial"
+    partial: bool = False
+    """Partial rollout: hand the aborted groups, as far as they got, to the next step."""
 
     @classmethod
-    def from_config(cls, algo: AlgoConfig, target_groups: int, max_inflight_groups: int = 0) -> StreamPlan:
+    def from_config(cls, algo: AlgoConfig, target_groups: int, max_inflight_groups: int = 0,
+                    partial: bool = False) -> StreamPlan:
         first = math.ceil(target_groups * algo.gen_batch_multiplier)
         if not algo.dynamic_sampling:
             return cls(target_groups=target_groups, first=target_groups, max_inflight=target_groups,
-                       max_groups=target_groups, dynamic_sampling=False)
+                       max_groups=target_groups, dynamic_sampling=False, partial=partial)
         return cls(target_groups=target_groups, first=first, oversample=algo.gen_batch_multiplier,
                    max_inflight=max_inflight_groups or 2 * first, max_groups=algo.max_gen_rounds * first,
-                   metric=algo.filter_metric, on_exhausted=algo.on_rounds_exhausted)
+                   metric=algo.filter_metric, on_exhausted=algo.on_rounds_exhausted, partial=partial)
 
     def inflight(self, kept: int, seen: int, informative: int) -> int:
         """Groups that should be in flight now."""
@@ -81,15 +90,29 @@ class StreamStats:
     submitted: int = 0
     aborted_groups: int = 0
     wasted_tokens: int = 0
-    """Tokens generated for groups that were aborted (partial, or finished but not collected)."""
+    """Tokens generated for groups that were aborted (partial, or finished but not collected) and not
+    carried to the next step."""
     generated_tokens: int = 0
+    """Tokens generated in this step (a resumed group's carried-in tokens count in the step that made them)."""
+    partial: bool = False
+    """Partial rollout was on (the carry monitors below are reported)."""
+    resumed_groups: int = 0
+    """Groups carried in from the previous step."""
+    carried_groups: int = 0
+    carried_tokens: int = 0
+    """Groups handed to the next step and the response tokens they take along."""
     first_kept_s: float = math.nan
     """Seconds from the step's start to its first kept group."""
+
+
+Carry = list[tuple[Prompt, GroupRequest]]
+"""Partial rollout: aborted groups with their samples so far (`GroupRequest.resume`), for the next step."""
 
 
 @dataclass
 class StreamRollout(StepRollout):
     stream: StreamStats = field(default_factory=StreamStats)
+    carry: Carry = field(default_factory=list)
 
 
 class RolloutStepError(RuntimeError):
@@ -109,8 +132,10 @@ def group_sampling(cfg: Config, step: int, group: int, eos_ids: tuple[int, ...])
 
 def collect_stream(engine: RolloutEngine, tokenizer, next_prompts: Callable[[int], list[Prompt]], *,
                    target_groups: int, algo: AlgoConfig, scorer: Scorer,
-                   sampling: Callable[[int], SamplingParams], max_inflight_groups: int = 0) -> StreamRollout:
-    """The streaming counterpart of collect_step; `sampling(g)` gives group g's sampling (and seed)."""
+                   sampling: Callable[[int], SamplingParams], max_inflight_groups: int = 0,
+                   partial: bool = False, carry: Carry = ()) -> StreamRollout:
+    """The streaming counterpart of collect_step; `sampling(g)` gives group g's sampling (and seed).
+    With `partial`, `carry` (the previous step's) goes first and the result's carry is the next step's."""
 
     def request(g: int) -> tuple[Prompt, GroupRequest]:
         prompt = next_prompts(1)[0]
@@ -118,30 +143,36 @@ def collect_stream(engine: RolloutEngine, tokenizer, next_prompts: Callable[[int
         return prompt, GroupRequest(key=g, prompt_ids=ids, n=algo.group_size, sampling=sampling(g))
 
     out = stream_groups(engine, request, lambda g: score_group(g, tokenizer, scorer),
-                        StreamPlan.from_config(algo, target_groups, max_inflight_groups))
+                        StreamPlan.from_config(algo, target_groups, max_inflight_groups, partial), carry)
     out.reward_failures = scorer.take_failures()
     return out
 
 
 def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, GroupRequest]],
-                  score: Callable[[Group], None], plan: StreamPlan) -> StreamRollout:
-    """Stream groups `request(0), request(1), ...` through `engine` until `plan` is met (module docstring)."""
+                  score: Callable[[Group], None], plan: StreamPlan, carry: Carry = ()) -> StreamRollout:
+    """Stream groups `request(0), request(1), ...` through `engine` until `plan` is met (module docstring);
+    the groups of `carry` (partial rollout) go first, as groups 0 .. len(carry) - 1."""
     t0 = time.perf_counter()
     out = StreamRollout(groups=[], stats=DynamicSamplingStats(0, 0, 0, 0.0, False))
     prompts: dict[int, Prompt] = {}
+    requests: dict[int, GroupRequest] = {}
     informative = 0
+
+    def submit(stream, items: list[tuple[Prompt, GroupRequest]]) -> None:
+        for prompt, req in items:
+            prompts[req.key], requests[req.key] = prompt, req
+        out.stream.submitted += len(items)
+        if items:
+            stream.submit([req for _, req in items])
+
     with engine.stream() as stream:
         try:
+            submit(stream, [(p, dataclasses.replace(r, key=g)) for g, (p, r) in enumerate(carry)])
+            out.stream.resumed_groups, out.stream.partial = len(carry), plan.partial
             while len(out.groups) < plan.target_groups:
                 wanted = plan.inflight(len(out.groups), len(out.generated), informative) - stream.pending
-                batch = []
-                for _ in range(max(0, min(wanted, plan.max_groups - out.stream.submitted))):
-                    prompt, req = request(out.stream.submitted)
-                    prompts[req.key] = prompt
-                    batch.append(req)
-                    out.stream.submitted += 1
-                if batch:
-                    stream.submit(batch)
+                fresh = max(0, min(wanted, plan.max_groups - out.stream.submitted))
+                submit(stream, [request(out.stream.submitted + i) for i in range(fresh)])
                 if not stream.pending:
                     break  # the group budget is spent
                 result = stream.next()
@@ -150,7 +181,7 @@ def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, 
                 score(group)
                 out.reward_seconds += time.perf_counter() - t
                 out.generated.append(group)
-                out.stream.generated_tokens += result.tokens
+                out.stream.generated_tokens += result.tokens - requests[result.key].resumed_tokens
                 ok = is_informative(group, plan.metric)
                 informative += ok
                 if ok or not plan.dynamic_sampling:
@@ -159,10 +190,18 @@ def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, 
                         out.stream.first_kept_s = time.perf_counter() - t0
         except Exception as e:
             _finish(out, stream.abort(), informative, plan, exhausted_ok=True)
+            out.carry = []
             raise RolloutStepError(
                 f"streaming rollout failed after keeping {len(out.groups)}/{plan.target_groups} groups "
                 f"({len(out.generated)} finished, {out.stream.submitted} submitted): {e}", out) from e
-        _finish(out, stream.abort(), informative, plan)
+        report = stream.abort()
+        if plan.partial:
+            if set(report.partial) != set(report.keys):
+                raise RuntimeError(f"partial rollout: {type(stream).__name__} does not report aborted "
+                                   "groups' samples (rollout.partial_rollout needs the embedded engine)")
+            out.carry = [(prompts[k], dataclasses.replace(requests[k], resume=tuple(report.partial[k])))
+                         for k in report.keys]
+        _finish(out, report, informative, plan)
     out.generate_seconds = time.perf_counter() - t0 - out.reward_seconds
     return out
 
@@ -170,7 +209,9 @@ def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, 
 def _finish(out: StreamRollout, report: AbortReport, informative: int, plan: StreamPlan,
             exhausted_ok: bool = False) -> None:
     out.stream.aborted_groups = len(report.keys)
-    out.stream.wasted_tokens = report.tokens
+    out.stream.carried_groups = len(out.carry)
+    out.stream.carried_tokens = sum(r.resumed_tokens for _, r in out.carry)
+    out.stream.wasted_tokens = 0 if out.carry else report.tokens
     out.stream.generated_tokens += report.tokens
     seen = len(out.generated)
     exhausted = plan.dynamic_sampling and len(out.groups) < plan.target_groups
@@ -195,6 +236,10 @@ def rollout_cost_scalars(rollout: StepRollout, algo: AlgoConfig) -> dict[str, fl
         out = {"rollout/aborted_groups": float(s.aborted_groups),
                "rollout/wasted_tokens": float(s.wasted_tokens),
                "rollout/generated_tokens": float(s.generated_tokens)}
+        if s.partial:
+            out.update({"rollout/resumed_groups": float(s.resumed_groups),
+                        "rollout/carried_groups": float(s.carried_groups),
+                        "rollout/carried_tokens": float(s.carried_tokens)})
         return out if math.isnan(s.first_kept_s) else {**out, "rollout/first_kept_s": s.first_kept_s}
     kept = {id(g) for g in rollout.groups}
     surplus = [g for g in rollout.generated if id(g) not in kept
@@ -203,3 +248,19 @@ def rollout_cost_scalars(rollout: StepRollout, algo: AlgoConfig) -> dict[str, fl
             "rollout/wasted_tokens": float(sum(s.response_len for g in surplus for s in g.samples)),
             "rollout/generated_tokens": float(sum(s.response_len for g in rollout.generated
                                                   for s in g.samples))}
+
+
+def carry_state(carry: Carry) -> list[dict]:
+    """The carry as plain JSON (checkpoint trainer state)."""
+    return [{"prompt": dataclasses.asdict(p), "request": dataclasses.asdict(r)} for p, r in carry]
+
+
+def load_carry(state: list[dict]) -> Carry:
+    out = []
+    for item in state:
+        p, r = item["prompt"], dict(item["request"])
+        prompt = Prompt(**{**p, "messages": tuple(p["messages"])})
+        r["sampling"] = SamplingParams(**r["sampling"])
+        r["resume"] = tuple(Sample(**s) for s in r["resume"])
+        out.append((prompt, GroupRequest(**r)))
+    return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -112,10 +112,36 @@ class GroupRequest:
     n: int
     sampling: SamplingParams
     """Per group: with a seed, sample k of the group draws from a random stream keyed by (seed + k)."""
+    resume: tuple[Sample, ...] = ()
+    """Partial rollout: the group's n samples as an aborted stream left them (`AbortReport.partial`). A
+    finished one ("stop"/"length") comes back as it is; an "abort" one continues from its response so
+    far, which counts toward max_new_tokens."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        object.__setattr__(self, "resume", tuple(self.resume))
         check_prompts([self.prompt_ids], self.n)
+        if self.resume:
+            check_resume(self)
+
+    @property
+    def resumed_tokens(self) -> int:
+        """Response tokens the group carries in from an earlier stream."""
+        return sum(s.response_len for s in self.resume)
+
+
+def check_resume(r: GroupRequest) -> None:
+    if len(r.resume) != r.n:
+        raise ValueError(f"group {r.key}: resume has {len(r.resume)} samples, n={r.n}")
+    for k, s in enumerate(r.resume):
+        if tuple(s.prompt_ids) != r.prompt_ids:
+            raise ValueError(f"group {r.key}: resumed sample {k} belongs to another prompt")
+        if len(s.rollout_logprobs) != s.response_len:
+            raise ValueError(f"group {r.key}: resumed sample {k} has {s.response_len} tokens but "
+                             f"{len(s.rollout_logprobs)} logprobs")
+        if s.finish_reason == "abort" and s.response_len >= r.sampling.max_new_tokens:
+            raise ValueError(f"group {r.key}: resumed sample {k} already has {s.response_len} tokens "
+                             f"(max_new_tokens {r.sampling.max_new_tokens})")
 
 
 @dataclass
@@ -138,7 +164,11 @@ class AbortReport:
     """The groups submitted and not returned by `next()`, in key order (queued, running, or finished
     but not yet collected)."""
     tokens: int
-    """Tokens generated for those groups before the abort (partial and finished responses)."""
+    """Tokens generated for those groups before the abort (partial and finished responses), not counting
+    what their requests carried in (`GroupRequest.resume`)."""
+    partial: dict[int, list[Sample]] = field(default_factory=dict)
+    """Engines that support partial rollout: each cancelled group's n samples so far, finished ones as
+    they are and unfinished ones with finish_reason "abort" (possibly empty), for `GroupRequest.resume`."""
 
 
 class RolloutStream(ABC):

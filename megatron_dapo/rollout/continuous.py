@@ -11,6 +11,10 @@ Reproducibility: a row draws its token t from `counter_uniforms(seed + k, t)` (g
 so its tokens are a pure function of its group's request and the logits. The logits of a row do not
 depend on the other rows up to float rounding in batched matmuls (tests: identical tokens, logprobs
 within 1e-5, across batch compositions). Without a seed, the stream draws one per group.
+
+Partial rollout: `abort()` reports every pending group's samples so far (`AbortReport.partial`); a
+request that carries them (`GroupRequest.resume`) prefills each unfinished row's prompt + response and
+goes on drawing from token index len(response): the continuation an uninterrupted stream would sample.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class _Row:
     index: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    start: int = 0
+    """Tokens the row carried in (a resumed sample's response so far)."""
 
 
 @dataclass
@@ -53,6 +59,12 @@ class _Group:
     seed: int
     samples: list[Sample | None]
     left: int
+    generated: int = 0
+    """Tokens of its samples finished in this stream (carried-in tokens excluded)."""
+
+    def prior(self, index: int) -> Sample | None:
+        """The resumed sample `index` (partial rollout), if the request carries one."""
+        return self.request.resume[index] if self.request.resume else None
 
 
 class EmbeddedStream(RolloutStream):
@@ -103,8 +115,15 @@ class EmbeddedStream(RolloutStream):
             for r in requests:
                 self._check_request(r)
                 seed = r.sampling.seed if r.sampling.seed is not None else secrets.randbits(62)
-                self._groups[r.key] = _Group(r, seed, [None] * r.n, r.n)
-                self._waiting.extend((r.key, k) for k in range(r.n))
+                group = self._groups[r.key] = _Group(r, seed, [None] * r.n, r.n)
+                for k in range(r.n):
+                    prior = group.prior(k)
+                    if prior is not None and prior.finish_reason != "abort":
+                        group.samples[k], group.left = prior, group.left - 1
+                    else:
+                        self._waiting.append((r.key, k))
+                if group.left == 0:
+                    self._done.append(GroupResult(key=r.key, samples=list(group.samples)))
                 self._need = max(self._need, len(r.prompt_ids) + r.sampling.max_new_tokens)
 
     def next(self) -> GroupResult:
@@ -128,8 +147,9 @@ class EmbeddedStream(RolloutStream):
         with self._pump:
             with self._queue_lock:
                 keys = sorted(self._groups)
-                tokens = sum(len(r.tokens) for r in self._rows) + sum(
-                    s.response_len for g in self._groups.values() for s in g.samples if s is not None)
+                tokens = sum(len(r.tokens) - r.start for r in self._rows) + sum(
+                    g.generated for g in self._groups.values())
+                partial = self._partial()
                 self._groups.clear()
                 self._waiting.clear()
                 self._done.clear()
@@ -137,7 +157,25 @@ class EmbeddedStream(RolloutStream):
                 self._decoder.release(torch.ones(self._decoder.rows, dtype=torch.bool, device=self._device))
             self._reset_rows()
             self._abort.clear()
-        return AbortReport(keys=keys, tokens=tokens)
+        return AbortReport(keys=keys, tokens=tokens, partial=partial)
+
+    def _partial(self) -> dict[int, list[Sample]]:
+        """Each pending group's samples so far: finished, running (cut short) or waiting (as submitted)."""
+        out = {key: list(g.samples) for key, g in self._groups.items()}
+        for row in self._rows:
+            out[row.key][row.index] = self._sample(row, "abort")
+        for key, samples in out.items():
+            group = self._groups[key]
+            for k, s in enumerate(samples):
+                if s is None:
+                    samples[k] = group.prior(k) or Sample(prompt_ids=list(group.request.prompt_ids),
+                                                          response_ids=[], rollout_logprobs=[],
+                                                          finish_reason="abort")
+        return out
+
+    def _sample(self, row: _Row, reason: str) -> Sample:
+        return Sample(prompt_ids=list(self._groups[row.key].request.prompt_ids), response_ids=list(row.tokens),
+                      rollout_logprobs=list(row.logprobs), finish_reason=reason)
 
     def close(self) -> None:
         """Abort what is pending and hand the (empty) decoder back to the engine for its next stream."""
@@ -185,9 +223,8 @@ class EmbeddedStream(RolloutStream):
     def _finish(self, row: _Row, stopped: bool) -> None:
         with self._queue_lock:
             group = self._groups[row.key]
-            group.samples[row.index] = Sample(
-                prompt_ids=list(group.request.prompt_ids), response_ids=row.tokens,
-                rollout_logprobs=row.logprobs, finish_reason="stop" if stopped else "length")
+            group.samples[row.index] = self._sample(row, "stop" if stopped else "length")
+            group.generated += len(row.tokens) - row.start
             group.left -= 1
             if group.left == 0:
                 self._done.append(GroupResult(key=row.key, samples=list(group.samples)))
@@ -204,16 +241,21 @@ class EmbeddedStream(RolloutStream):
             groups = {key: self._groups[key] for key, _ in take}
         if not take:
             return
-        rank = {key: i for i, key in enumerate(groups)}
-        take.sort(key=lambda row: (rank[row[0]], row[1]))
-        counts = Counter(key for key, _ in take)
-        copies = [counts[k] for k in groups]
-        logits = self._decoder.admit([g.request.prompt_ids for g in groups.values()], copies)
+        # Fresh rows share one prefill per prompt; a resumed row prefills its prompt + response so far.
+        resumed = [(key, k, p) for key, k in take if (p := groups[key].prior(k)) is not None and p.response_len]
+        fresh = [(key, k) for key, k in take if (p := groups[key].prior(k)) is None or not p.response_len]
+        counts = Counter(key for key, _ in fresh)
+        rank = {key: i for i, key in enumerate(counts)}
+        fresh.sort(key=lambda row: (rank[row[0]], row[1]))
+        prompts = [groups[key].request.prompt_ids for key in counts] + [
+            groups[key].request.prompt_ids + tuple(p.response_ids) for key, _, p in resumed]
+        logits = self._decoder.admit(prompts, list(counts.values()) + [1] * len(resumed))
         self._logits = logits if self._logits is None else torch.cat([self._logits, logits])
-        self._rows += [_Row(key, index) for key, index in take]
-        new = [(groups[key], index) for key, index in take]
+        self._rows += [_Row(key, index) for key, index in fresh] + [
+            _Row(key, k, list(p.response_ids), list(p.rollout_logprobs), p.response_len) for key, k, p in resumed]
+        new = [(groups[key], index) for key, index in fresh] + [(groups[key], k) for key, k, _ in resumed]
         self._seed = self._cat(self._seed, [g.seed + k for g, k in new])
-        self._count = self._cat(self._count, [0] * len(new))
+        self._count = self._cat(self._count, [0] * len(fresh) + [p.response_len for _, _, p in resumed])
         self._max_new = self._cat(self._max_new, [g.request.sampling.max_new_tokens for g, _ in new])
         self._stop = self._cat(self._stop, [self._stop_index(g.request.sampling) for g, _ in new])
 

@@ -90,20 +90,23 @@ class GroupStream(RolloutStream):
         with self._cond:
             self._aborting = True
             keys = sorted(self._owner)
-        tokens = 0
+        tokens, partial = 0, {}
         for stream in self._streams:
             with suppress(Exception):  # a failed engine's stream may not answer: its groups are lost
-                tokens += stream.abort().tokens
+                report = stream.abort()
+                tokens += report.tokens
+                partial.update(report.partial)
         with self._cond:
             while any(self._busy):
                 self._cond.wait(timeout=1.0)
             tokens += sum(item.tokens for item in self._ready.values())
+            partial.update({key: list(item.samples) for key, item in self._ready.items()})
             for k, error in self._errors:  # not raised: the step ended before it needed that engine
                 log.warning("rollout engine %s failed while streaming: %s", self._names[k], error)
             self._ready, self._errors, self._owner = {}, [], {}
             self._owed = [0] * len(self._streams)
             self._aborting = False
-        return AbortReport(keys=keys, tokens=tokens)
+        return AbortReport(keys=keys, tokens=tokens, partial=partial)
 
     def close(self) -> None:
         try:

@@ -1,0 +1,206 @@
+"""Partial rollout on the embedded engine: an aborted stream reports each cancelled group's samples so far,
+and resubmitting them (`GroupRequest.resume`) continues every response exactly where it stopped: the
+finished responses are those of a stream that was never aborted (tokens identical, logprobs to 1e-5).
+Then the loop (loop/stream.py): a step hands its aborted groups to the next, token accounting, the
+checkpointed carry, config checks."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from megatron_dapo.config import AlgoConfig, ConfigError, load_config, validate
+from megatron_dapo.loop.collect import seed_of
+from megatron_dapo.loop.stream import StreamPlan, carry_state, load_carry, rollout_cost_scalars, stream_groups
+from megatron_dapo.rollout import EmbeddedEngine, SamplingParams
+from megatron_dapo.rollout.base import GroupRequest, RolloutStream
+from megatron_dapo.tiny import tiny_model
+from megatron_dapo.types import Prompt, Sample
+
+VOCAB = 128
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22], [30], [40, 41, 42, 43]]
+STOPS = tuple(range(3, VOCAB, 11))
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return EmbeddedEngine(tiny_model("qwen2", seed=0, **SMALL))
+
+
+def requests(max_new: int = 24) -> list[GroupRequest]:
+    return [GroupRequest(key=g, prompt_ids=p, n=3, sampling=SamplingParams(
+        max_new_tokens=max_new, stop_token_ids=STOPS, seed=100 + 1000 * g)) for g, p in enumerate(PROMPTS)]
+
+
+def drain(stream: RolloutStream) -> dict[int, list[Sample]]:
+    out = {}
+    while stream.pending:
+        result = stream.next()
+        out[result.key] = result.samples
+    return out
+
+
+def same(a: Sample, b: Sample) -> None:
+    assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+    torch.testing.assert_close(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs),
+                               atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def reference(engine) -> dict[int, list[Sample]]:
+    with engine.stream() as stream:
+        stream.submit(requests())
+        return drain(stream)
+
+
+@pytest.fixture(scope="module")
+def interrupted(engine):
+    """Two groups collected, the rest aborted mid-generation."""
+    with engine.stream() as stream:
+        stream.submit(requests())
+        done = {r.key: r.samples for r in (stream.next(), stream.next())}
+        return done, stream.abort()
+
+
+def test_abort_reports_every_cancelled_group_so_far(reference, interrupted):
+    done, report = interrupted
+    assert sorted(report.partial) == report.keys == sorted(set(reference) - set(done))
+    cut = 0
+    for key, samples in report.partial.items():
+        assert len(samples) == 3
+        for s, ref in zip(samples, reference[key]):
+            assert s.prompt_ids == PROMPTS[key]
+            if s.finish_reason == "abort":
+                assert s.response_ids == ref.response_ids[: s.response_len]
+                assert len(s.rollout_logprobs) == s.response_len
+                cut += 0 < s.response_len < ref.response_len
+            else:
+                same(s, ref)
+    assert cut > 0, "no response was cut mid-way: the test does not exercise continuation"
+    assert report.tokens == sum(s.response_len for v in report.partial.values() for s in v)
+
+
+def test_resumed_groups_finish_as_if_never_aborted(engine, reference, interrupted):
+    _, report = interrupted
+    reqs = [dataclasses.replace(r, resume=tuple(report.partial[r.key])) for r in requests() if r.key in report.partial]
+    with engine.stream() as stream:
+        stream.submit(reqs)
+        resumed = drain(stream)
+    assert sorted(resumed) == report.keys
+    for key, samples in resumed.items():
+        for s, ref in zip(samples, reference[key]):
+            same(s, ref)
+
+
+def test_an_abort_right_after_resuming_hands_the_carried_samples_back(engine, interrupted):
+    _, report = interrupted
+    reqs = [dataclasses.replace(r, resume=tuple(report.partial[r.key])) for r in requests() if r.key in report.partial]
+    with engine.stream() as stream:
+        stream.submit(reqs)
+        again = stream.abort()
+    assert again.tokens == 0  # carried-in tokens are not generated twice
+    for key, samples in again.partial.items():
+        assert [s.response_ids for s in samples] == [s.response_ids for s in report.partial[key]]
+
+
+def test_a_group_resumed_with_every_sample_finished_comes_back_at_once(engine, reference):
+    req = dataclasses.replace(requests()[0], resume=tuple(reference[0]))
+    with engine.stream() as stream:
+        stream.submit([req])
+        result = stream.next()
+        assert result.key == 0 and result.samples == reference[0] and not stream.pending
+
+
+def test_an_engine_group_hands_back_every_engines_partial_groups(reference):
+    from megatron_dapo.rollout.engine_group import EngineGroup
+
+    engines = [EmbeddedEngine(tiny_model("qwen2", seed=0, **SMALL)) for _ in range(2)]
+    with EngineGroup(engines, names=["a", "b"]) as group, group.stream() as stream:
+        stream.submit(requests())
+        first = stream.next().key
+        report = stream.abort()
+    assert sorted(report.partial) == report.keys == sorted(set(reference) - {first})
+    for key, samples in report.partial.items():
+        for s, ref in zip(samples, reference[key]):
+            assert s.response_ids == ref.response_ids[: s.response_len]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda s: [s[0]], "resume has 1 samples, n=3"),
+    (lambda s: [dataclasses.replace(s[0], prompt_ids=[99])] + s[1:], "belongs to another prompt"),
+    (lambda s: [dataclasses.replace(s[0], rollout_logprobs=[])] + s[1:], "logprobs"),
+    (lambda s: [dataclasses.replace(s[0], response_ids=[5] * 24, rollout_logprobs=[0.0] * 24,
+                                    finish_reason="abort")] + s[1:], "already has 24 tokens"),
+])
+def test_malformed_resume_is_refused(reference, bad, match):
+    samples = [dataclasses.replace(s) for s in reference[0]]
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(requests()[0], resume=tuple(bad(samples)))
+
+
+# ------------------------------------------------------------------ the loop: carry from step to step
+
+def source(offset: int):
+    """Group g: prompt uid p/<offset + g>, every other group informative, lengths varied."""
+    def request(g: int):
+        i = offset + g
+        prompt = Prompt(uid=f"p/{i}", messages=(), ground_truth=str(i % 2))
+        return prompt, GroupRequest(key=g, prompt_ids=[1 + i % 50, 2, 3], n=2, sampling=SamplingParams(
+            max_new_tokens=6 + (i % 4) * 12, ignore_eos=True, seed=seed_of(1, "train", 0, "group", i)))
+    return request
+
+
+def score(group) -> None:
+    for k, s in enumerate(group.samples):
+        s.acc = group.prompt.ground_truth == "1" and k == 0
+        s.reward = 1.0 if s.acc else -1.0
+
+
+def test_the_next_step_continues_the_aborted_groups(engine):
+    plan = StreamPlan(target_groups=3, first=6, max_inflight=8, max_groups=40, partial=True)
+    one = stream_groups(engine, source(0), score, plan)
+    assert one.carry and one.stream.carried_groups == len(one.carry) == one.stream.aborted_groups
+    assert one.stream.wasted_tokens == 0
+    assert one.stream.carried_tokens == sum(s.response_len for _, r in one.carry for s in r.resume) > 0
+    two = stream_groups(engine, source(100), score, plan, one.carry)
+    assert two.stream.resumed_groups == len(one.carry)
+    carried = {p.uid: r for p, r in one.carry}
+    resumed = [g for g in two.generated if g.prompt.uid in carried]
+    assert resumed, "no carried group finished in the next step"
+    for g in resumed:  # as if never aborted: the same request run to the end in one stream
+        with engine.stream() as stream:
+            stream.submit([dataclasses.replace(carried[g.prompt.uid], resume=())])
+            for s, ref in zip(g.samples, stream.next().samples):
+                same(s, ref)
+    finished = sum(s.response_len for g in two.generated for s in g.samples)
+    assert two.stream.generated_tokens == finished + two.stream.carried_tokens - one.stream.carried_tokens
+    costs = rollout_cost_scalars(two, AlgoConfig())
+    assert costs["rollout/resumed_groups"] == len(one.carry) and costs["rollout/wasted_tokens"] == 0.0
+
+
+def test_without_partial_rollout_nothing_is_carried(engine):
+    out = stream_groups(engine, source(0), score, StreamPlan(target_groups=3, first=6, max_inflight=8, max_groups=40))
+    assert out.carry == [] and out.stream.aborted_groups > 0 and out.stream.wasted_tokens > 0
+    assert "rollout/carried_groups" not in rollout_cost_scalars(out, AlgoConfig())
+
+
+def test_the_carry_survives_a_checkpoint(engine):
+    plan = StreamPlan(target_groups=3, first=6, max_inflight=8, max_groups=40, partial=True)
+    carry = stream_groups(engine, source(0), score, plan).carry
+    back = load_carry(json.loads(json.dumps(carry_state(carry))))
+    assert back == carry
+
+
+@pytest.mark.parametrize("overrides", [["rollout.partial_rollout=true"],
+                                       ["rollout.partial_rollout=true", "rollout.streaming=true",
+                                        "rollout.engine=sglang"]])
+def test_partial_rollout_needs_the_embedded_stream(overrides):
+    with pytest.raises(ConfigError, match="rollout.partial_rollout needs rollout.streaming=true and "
+                                          "rollout.engine=embedded"):
+        validate(load_config(None, overrides))
+    validate(load_config(None, ["rollout.partial_rollout=true", "rollout.streaming=true"]))
