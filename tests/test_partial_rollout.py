@@ -1,11 +1,14 @@
-"""Partial rollout on the embedded engine: an aborted stream reports each cancelled group's samples so far,
+"""Partial rollout. On the embedded engine an aborted stream reports each cancelled group's samples so far,
 and resubmitting them (`GroupRequest.resume`) continues every response exactly where it stopped: the
 finished responses are those of a stream that was never aborted (tokens identical, logprobs to 1e-5).
 Then the loop (loop/stream.py): a step hands its aborted groups to the next, token accounting, the
-checkpointed carry, config checks."""
+checkpointed carry, config checks. Then SGLang's stream against a scripted server: aborted responses come
+back with their logprobs and continue from where they stopped (tests/test_rollout_sglang_streaming.py
+runs it on the real server)."""
 
 import dataclasses
 import json
+import time
 
 import pytest
 import torch
@@ -196,11 +199,81 @@ def test_the_carry_survives_a_checkpoint(engine):
     assert back == carry
 
 
-@pytest.mark.parametrize("overrides", [["rollout.partial_rollout=true"],
-                                       ["rollout.partial_rollout=true", "rollout.streaming=true",
-                                        "rollout.engine=sglang"]])
-def test_partial_rollout_needs_the_embedded_stream(overrides):
-    with pytest.raises(ConfigError, match="rollout.partial_rollout needs rollout.streaming=true and "
-                                          "rollout.engine=embedded"):
-        validate(load_config(None, overrides))
-    validate(load_config(None, ["rollout.partial_rollout=true", "rollout.streaming=true"]))
+def test_partial_rollout_needs_streaming():
+    with pytest.raises(ConfigError, match="rollout.partial_rollout needs rollout.streaming=true"):
+        validate(load_config(None, ["rollout.partial_rollout=true"]))
+    for engine in ("embedded", "sglang"):
+        validate(load_config(None, ["rollout.partial_rollout=true", "rollout.streaming=true",
+                                    f"rollout.engine={engine}"]))
+
+
+# ------------------------------------------------------------------ SGLang's side, on a scripted server
+
+class ScriptedServer:
+    """Answers /generate like SGLang: every request aborted after `cut` tokens, or run to its
+    max_new_tokens; token i of a response is 100 + (its input length + i), logprob -(token / 1000)."""
+
+    url = "http://scripted:1"
+
+    def __init__(self, cut: int | None):
+        self.cut, self.bodies = cut, []
+
+    def dead_reason(self):
+        return None
+
+    def _http(self, *a, **k):
+        return {}
+
+    def post(self, path: str, body: dict):
+        assert path == "/generate"
+        self.bodies.append(body)
+        items = []
+        for ids, params in zip(body["input_ids"], body["sampling_params"]):
+            count = params["max_new_tokens"] if self.cut is None else min(self.cut, params["max_new_tokens"])
+            out = [100 + len(ids) + i for i in range(count)]
+            reason = {"type": "length"} if self.cut is None else {"type": "abort", "message": "aborted"}
+            items.append({"output_ids": out, "meta_info": {"finish_reason": reason,
+                          "output_token_logprobs": [[-t / 1000, t, None] for t in out]}})
+        return items
+
+
+def test_sglang_stream_hands_back_aborted_responses_and_continues_them():
+    from megatron_dapo.rollout.sglang.stream import SGLangStream
+
+    req = GroupRequest(key=0, prompt_ids=[5, 6, 7], n=2, sampling=SamplingParams(max_new_tokens=10, seed=40))
+    first = SGLangStream(ScriptedServer(cut=4))
+    first.submit([req])
+    deadline = time.monotonic() + 60
+    while not first._ready and time.monotonic() < deadline:  # the scripted call has come back aborted
+        time.sleep(0.01)
+    report = first.abort()
+    first.close()
+    assert report.keys == [0] and report.tokens == 8
+    assert [s.response_ids for s in report.partial[0]] == [[103, 104, 105, 106]] * 2
+    assert all(s.finish_reason == "abort" for s in report.partial[0])
+    server = ScriptedServer(cut=None)
+    with SGLangStream(server) as stream:
+        stream.submit([dataclasses.replace(req, resume=tuple(report.partial[0]))])
+        result = stream.next()
+    body = server.bodies[0]
+    assert body["input_ids"] == [[5, 6, 7, 103, 104, 105, 106]] * 2
+    assert [p["max_new_tokens"] for p in body["sampling_params"]] == [6, 6]
+    assert [p["sampling_seed"] for p in body["sampling_params"]] == [40, 41]
+    for s in result.samples:
+        assert s.prompt_ids == [5, 6, 7] and s.finish_reason == "length"
+        assert s.response_ids == [103, 104, 105, 106] + list(range(107, 113))
+        assert s.rollout_logprobs == pytest.approx([-t / 1000 for t in s.response_ids])
+
+
+def test_sglang_resumes_only_the_unfinished_samples():
+    from megatron_dapo.rollout.sglang.stream import SGLangStream
+
+    done = Sample(prompt_ids=[5], response_ids=[9, 9], rollout_logprobs=[-1.0, -1.0], finish_reason="stop")
+    cut = Sample(prompt_ids=[5], response_ids=[7], rollout_logprobs=[-0.5], finish_reason="abort")
+    req = GroupRequest(key=3, prompt_ids=[5], n=2, sampling=SamplingParams(max_new_tokens=4), resume=(done, cut))
+    server = ScriptedServer(cut=None)
+    with SGLangStream(server) as stream:
+        stream.submit([req])
+        result = stream.next()
+    assert server.bodies[0]["input_ids"] == [[5, 7]] and len(server.bodies) == 1
+    assert result.samples[0] == done and result.samples[1].response_ids == [7, 102, 103, 104]

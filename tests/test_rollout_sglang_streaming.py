@@ -1,8 +1,10 @@
 """Streaming rollout against a real SGLang server on CPU (`-m sglang`): groups come back as they finish with
-exact logprobs, abort cancels by request id (others' requests untouched), the engine stays usable, dynamic
+exact logprobs, abort cancels by request id (others' requests untouched) and hands back the responses so
+far, which partial rollout continues, the engine stays usable, dynamic
 sampling stops at N on the stream, and a server killed mid-stream fails the step naming the server while
 the groups already kept stay in its accounting. Always run with MEGATRON_DAPO_SGLANG_VENV set."""
 
+import dataclasses
 import os
 import signal
 import threading
@@ -92,6 +94,27 @@ def test_abort_cancels_only_this_streams_requests_and_the_engine_goes_on(engine)
     thread.join(60)
     assert not thread.is_alive() and len(errors) == 1
     waiting.close()
+
+
+def test_partial_rollout_continues_the_aborted_responses(engine, hf):
+    """Abort mid-generation: each response so far comes back with its logprobs; resubmitted, it runs on to
+    its limit, and the whole response's logprobs match a teacher-forced forward (the context was kept)."""
+    with engine.stream() as stream:
+        stream.submit([group(k, 1000, n=2) for k in range(3)])
+        time.sleep(2.0)
+        report = stream.abort()
+    assert sorted(report.partial) == [0, 1, 2] and report.tokens > 0
+    cut = [s for v in report.partial.values() for s in v if s.finish_reason == "abort" and s.response_len]
+    assert cut and report.tokens >= sum(s.response_len for s in cut)
+    with engine.stream() as stream:
+        stream.submit([dataclasses.replace(group(k, 1000, n=2), resume=tuple(v)) for k, v in report.partial.items()])
+        results = {r.key: r for r in (stream.next() for _ in range(3))}
+    for key, r in results.items():
+        for s, before in zip(r.samples, report.partial[key]):
+            assert s.response_ids[: before.response_len] == before.response_ids
+            assert s.rollout_logprobs[: before.response_len] == before.rollout_logprobs
+            assert s.response_len == 1000 and s.finish_reason == "length"
+    assert _max_logprob_diff(hf["a"], [r.samples for r in results.values()]) <= 1e-4
 
 
 def score_all_informative(g: Group) -> None:

@@ -14,7 +14,7 @@ Prompt i has a difficulty p_i in {0.03, 0.5, 0.97} (one third each); a sample is
 is about 0.47, as for a policy mid-training. Every mode runs the same engine, N, G, sampling and dynamic-
 sampling config, and each step the same prompt sequence: "rounds" is loop/collect.py's loop
 (DynamicSampler, one blocking generate per round), "streaming" is loop/stream.py's `stream_groups`, and
-"partial" (embedded engine only) is `stream_groups` with partial rollout: each step's aborted groups are
+"partial" is `stream_groups` with partial rollout: each step's aborted groups are
 continued by the next. Steps alternate the order of the modes. wall_s sums the steps' rollout times;
 wasted_tokens: surplus groups trimmed (rounds) or aborted groups' tokens (streaming; partial carries them
 on). Streaming favours groups that finish early: kept_response_len (the kept samples' mean length) and
@@ -174,7 +174,7 @@ MODES: dict[str, Callable] = {"rounds": rounds, "streaming": lambda *a, carry: s
 
 def compare(engine_name: str, engine: RolloutEngine, args: argparse.Namespace) -> list[dict]:
     algo = AlgoConfig(group_size=args.group_size, gen_batch_multiplier=args.gen_batch_multiplier)
-    modes = list(MODES) if engine_name == "embedded" else ["rounds", "streaming"]  # partial: embedded only
+    modes = list(MODES)
     carries: dict[str, list] = {m: [] for m in modes}
     totals = {m: {"kept": 0, "wall": 0.0, "tokens": 0, "wasted": 0, "passes": 0, "lens": [], "cut": []}
               for m in modes}

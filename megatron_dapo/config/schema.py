@@ -145,7 +145,7 @@ class RolloutConfig:
     """Streaming: at most this many groups submitted and unfinished (0 = 2 x ceil(N x
     gen_batch_multiplier))."""
     partial_rollout: bool = False
-    """Streaming, embedded engine: the groups a step aborts continue in the next step from where they
+    """Streaming: the groups a step aborts continue in the next step from where they
     stopped (slime's partial rollout) instead of being dropped; their earlier tokens were sampled by an
     older policy (rollout correction weighs them). The carried groups are saved in checkpoints."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)

@@ -36,10 +36,8 @@ def _problems(cfg: Config) -> list[str]:
     if cfg.reward.soft_overlong_punishment and not 0 < cfg.reward.overlong_cache_len < r.max_response_len:
         p.append(f"reward.overlong_cache_len={cfg.reward.overlong_cache_len} must be in "
                  f"(0, rollout.max_response_len={r.max_response_len})")
-    if r.partial_rollout and not (r.streaming and r.engine == "embedded"):
-        p.append(f"rollout.partial_rollout needs rollout.streaming=true and rollout.engine=embedded (got "
-                 f"streaming={str(r.streaming).lower()}, engine={r.engine}): SGLang streams do not hand "
-                 "back their aborted responses yet")
+    if r.partial_rollout and not r.streaming:
+        p.append("rollout.partial_rollout needs rollout.streaming=true (it continues the groups a stream aborts)")
     if cfg.parallel.sequence_parallel and cfg.parallel.tensor_parallel == 1:
         p.append("parallel.sequence_parallel needs parallel.tensor_parallel > 1")
     if cfg.parallel.sequence_parallel and cfg.actor.loss_impl == "linear":

@@ -16,11 +16,13 @@ order: on the embedded engine that order is itself deterministic (its stream is 
 loop), on SGLang servers it is timing. Aborted groups' prompts are consumed, as in slime. Groups that
 finish early are favoured: over-sampled long responses are the ones aborted.
 
-Partial rollout (`rollout.partial_rollout`, embedded engine): the aborted groups are not dropped. The
+Partial rollout (`rollout.partial_rollout`): the aborted groups are not dropped. The
 abort report holds each one's samples so far; the next step submits them first (`carry`), and their
 responses continue where they stopped, under the new weights. Their earlier tokens keep the logprobs of
 the policy that sampled them: the actor recomputes pi_old over the whole response, and the rollout-
-correction weights (`algo.rollout_correction`) account for the gap. The carry is part of the checkpoint.
+correction weights (`algo.rollout_correction`, when on) account for the gap. The carry is part of the
+checkpoint. Nothing bounds how many steps a group is carried: a response of L tokens is carried for as
+many steps as it takes to finish.
 """
 
 from __future__ import annotations
@@ -197,8 +199,8 @@ def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, 
         report = stream.abort()
         if plan.partial:
             if set(report.partial) != set(report.keys):
-                raise RuntimeError(f"partial rollout: {type(stream).__name__} does not report aborted "
-                                   "groups' samples (rollout.partial_rollout needs the embedded engine)")
+                raise RuntimeError(f"partial rollout: {type(stream).__name__} did not report every aborted "
+                                   f"group's samples ({sorted(report.partial)} of {report.keys})")
             out.carry = [(prompts[k], dataclasses.replace(requests[k], resume=tuple(report.partial[k])))
                          for k in report.keys]
         _finish(out, report, informative, plan)

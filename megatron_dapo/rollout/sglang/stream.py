@@ -6,8 +6,10 @@ the server batches all of them continuously, and a group comes back as soon as i
 `abort()` cancels the groups not yet sent and sends /abort_request for every request id of the
 running ones (again each second until their calls return, for an abort that reached the server
 before its request): SGLang then answers those calls at once with finish_reason "abort" and the
-tokens generated so far, which the report counts. Other streams' and callers' requests are untouched,
-and the engine stays usable.
+tokens generated so far, which the report counts and hands back (`AbortReport.partial`, with their
+logprobs). Other streams' and callers' requests are untouched, and the engine stays usable. A resumed
+group (`GroupRequest.resume`, partial rollout) sends only its unfinished samples, each as prompt +
+response so far with the rest of its max_new_tokens.
 
 Reproducibility: SGLang honours `sampling_seed` only with --enable-deterministic-inference, which
 needs a GPU attention backend (fa3, flashinfer, triton); on the CPU engine (torch_native) it refuses
@@ -38,12 +40,13 @@ from megatron_dapo.rollout.base import (
 )
 from megatron_dapo.rollout.sglang.server import SGLangServer
 from megatron_dapo.rollout.sglang.wire import (
+    continue_body,
     cut_at_stop,
     generate_body,
     generated_tokens,
     parse_generate_response,
-    was_aborted,
 )
+from megatron_dapo.types import Sample
 
 _STREAMS = itertools.count()
 _ABORT_WAIT_S = 120.0
@@ -53,9 +56,11 @@ _ABORT_THREADS = 8
 
 @dataclass
 class _Cancelled:
-    """A group whose call came back aborted, with the tokens generated for it before the abort."""
+    """A group whose call came back aborted: the tokens generated for it before the abort, and its n
+    samples as far as they got (finished, or finish_reason "abort")."""
 
     tokens: int
+    samples: list[Sample]
 
 
 class SGLangStream(RolloutStream):
@@ -71,8 +76,10 @@ class SGLangStream(RolloutStream):
         self._futures: dict[int, Future] = {}  # pending groups of the current epoch
         self._ready: dict[int, Any] = {}  # their results, in arrival order
         self._failed: dict[int, BaseException] = {}  # groups whose call failed (raised by next())
+        self._requests: dict[int, GroupRequest] = {}  # the pending groups' requests
         self._running: dict[tuple[int, int], list[str]] = {}  # (epoch, key) -> request ids in flight
         self._late_tokens: dict[int, int] = {}  # epoch -> tokens of its calls that returned after abort()
+        self._late: dict[int, dict[int, Any]] = {}  # epoch -> key -> what its call returned after abort()
         self._epoch = 0  # bumped by abort(): calls of an older epoch report to _late_tokens
 
     @property
@@ -84,6 +91,7 @@ class SGLangStream(RolloutStream):
             for r in requests:
                 if r.key in self._futures:
                     raise ValueError(f"group key {r.key} is already pending in this stream")
+                self._requests[r.key] = r
                 self._futures[r.key] = self._pool.submit(self._run, r, self._epoch)
 
     def next(self) -> GroupResult:
@@ -103,25 +111,28 @@ class SGLangStream(RolloutStream):
                 self._failed[key] = item
                 raise item
             del self._futures[key]
+            del self._requests[key]
         if isinstance(item, _Cancelled):
             raise GenerationAborted(f"group {key} was aborted on {self._server.url}")
         return item
 
     def abort(self) -> AbortReport:
         with self._cond:
-            futures, ready = self._futures, self._ready
-            self._futures, self._ready, self._failed = {}, {}, {}
+            futures, ready, requests = self._futures, self._ready, self._requests
+            self._futures, self._ready, self._failed, self._requests = {}, {}, {}, {}
             epoch = self._epoch
             self._epoch += 1
-            self._late_tokens[epoch] = 0
+            self._late_tokens[epoch], self._late[epoch] = 0, {}
             self._cond.notify_all()
         for fut in futures.values():
             fut.cancel()  # groups not yet sent never are
         self._abort_running(futures, epoch)
         with self._cond:
             tokens = self._late_tokens.pop(epoch)
-        tokens += sum(item.tokens for item in ready.values() if isinstance(item, (GroupResult, _Cancelled)))
-        return AbortReport(keys=sorted(futures), tokens=tokens)
+            late = self._late.pop(epoch)
+        tokens += sum(_new_tokens(requests[key], item) for key, item in ready.items())
+        partial = {key: _so_far(requests[key], ready.get(key, late.get(key))) for key in futures}
+        return AbortReport(keys=sorted(futures), tokens=tokens, partial=partial)
 
     def close(self) -> None:
         super().close()
@@ -149,21 +160,16 @@ class SGLangStream(RolloutStream):
             self._server._http("POST", "/abort_request", {"rid": rid}, timeout=30)
 
     def _run(self, r: GroupRequest, epoch: int) -> None:
-        rids = [f"{self._id}:{r.key}:{k}" for k in range(r.n)]
+        todo = [k for k in range(r.n) if not r.resume or r.resume[k].finish_reason == "abort"]
+        rids = [f"{self._id}:{r.key}:{k}" for k in todo]
         with self._cond:
             if epoch != self._epoch:
                 return
             self._running[(epoch, r.key)] = rids
         try:
-            body, requests, cut_at = generate_body([r.prompt_ids], r.n, r.sampling, rids)
-            payload = self._server.post("/generate", body)
-            if was_aborted(payload):
-                item: Any = _Cancelled(generated_tokens(payload))
-            else:
-                samples = parse_generate_response(payload, requests)
-                if cut_at:
-                    samples = [cut_at_stop(s, cut_at) for s in samples]
-                item = GroupResult(key=r.key, samples=samples)
+            item: Any = GroupResult(key=r.key, samples=list(r.resume))
+            if todo:
+                item = self._call(r, todo, rids)
         except BaseException as e:  # noqa: BLE001 - raised by next() in the consumer's thread
             item = e
         with self._cond:
@@ -172,4 +178,45 @@ class SGLangStream(RolloutStream):
                 self._ready[r.key] = item
                 self._cond.notify_all()
             elif isinstance(item, (GroupResult, _Cancelled)) and epoch in self._late_tokens:
-                self._late_tokens[epoch] += item.tokens
+                self._late_tokens[epoch] += _new_tokens(r, item)
+                self._late[epoch][r.key] = item
+
+    def _call(self, r: GroupRequest, todo: list[int], rids: list[str]) -> GroupResult | _Cancelled:
+        """One /generate call for samples `todo` of the group (all of them, or a resumed group's unfinished)."""
+        if r.resume:
+            body, cut_at = continue_body(r.prompt_ids, [(k, r.resume[k]) for k in todo], r.sampling, rids)
+        else:
+            body, _, cut_at = generate_body([r.prompt_ids], r.n, r.sampling, rids)
+        payload = self._server.post("/generate", body)
+        new = parse_generate_response(payload, [r.prompt_ids] * len(todo), aborted_ok=True)
+        if cut_at:  # a carried-in response holds no stop token: only the new tokens are cut
+            new = [cut_at_stop(s, cut_at) for s in new]
+        samples = list(r.resume) or [None] * r.n
+        for k, s in zip(todo, new):
+            samples[k] = _joined(r.resume[k], s) if r.resume else s
+        if any(s.finish_reason == "abort" for s in samples):
+            return _Cancelled(generated_tokens(payload), samples)
+        return GroupResult(key=r.key, samples=samples)
+
+
+def _joined(before: Sample, after: Sample) -> Sample:
+    return Sample(prompt_ids=list(before.prompt_ids), response_ids=before.response_ids + after.response_ids,
+                  rollout_logprobs=before.rollout_logprobs + after.rollout_logprobs,
+                  finish_reason=after.finish_reason)
+
+
+def _new_tokens(r: GroupRequest, item: Any) -> int:
+    """Tokens a call generated (a finished resumed group's responses include what it carried in)."""
+    if isinstance(item, _Cancelled):
+        return item.tokens
+    return item.tokens - r.resumed_tokens if isinstance(item, GroupResult) else 0
+
+
+def _so_far(r: GroupRequest, item: Any) -> list[Sample]:
+    """A cancelled group's samples: what its call returned, else as it was submitted (never sent, failed)."""
+    if isinstance(item, (GroupResult, _Cancelled)):
+        return list(item.samples)
+    if r.resume:
+        return list(r.resume)
+    return [Sample(prompt_ids=list(r.prompt_ids), response_ids=[], rollout_logprobs=[], finish_reason="abort")
+            for _ in range(r.n)]
