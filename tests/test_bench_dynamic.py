@@ -15,7 +15,8 @@ STEPS, GROUPS, G, MAX_NEW = 2, 3, 4, 48
 
 @pytest.fixture(scope="module")
 def rows() -> dict[str, dict]:
-    cmd = [sys.executable, str(REPO / "tools" / "bench_rollout.py"), "--dynamic", "--json", "--engines", "embedded",
+    cmd = [sys.executable, str(REPO / "tools" / "bench_rollout.py"), "--dynamic", "--json",
+           "--engines", "embedded",
            "--steps", str(STEPS), "--groups", str(GROUPS), "--group-size", str(G),
            "--max-new-tokens", str(MAX_NEW)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,

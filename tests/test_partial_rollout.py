@@ -40,6 +40,11 @@ def requests(max_new: int = 24) -> list[GroupRequest]:
         max_new_tokens=max_new, stop_token_ids=STOPS, seed=100 + 1000 * g)) for g, p in enumerate(PROMPTS)]
 
 
+def resumed_requests(report) -> list[GroupRequest]:
+    return [dataclasses.replace(r, resume=tuple(report.partial[r.key]))
+            for r in requests() if r.key in report.partial]
+
+
 def drain(stream: RolloutStream) -> dict[int, list[Sample]]:
     out = {}
     while stream.pending:
@@ -90,9 +95,8 @@ def test_abort_reports_every_cancelled_group_so_far(reference, interrupted):
 
 def test_resumed_groups_finish_as_if_never_aborted(engine, reference, interrupted):
     _, report = interrupted
-    reqs = [dataclasses.replace(r, resume=tuple(report.partial[r.key])) for r in requests() if r.key in report.partial]
     with engine.stream() as stream:
-        stream.submit(reqs)
+        stream.submit(resumed_requests(report))
         resumed = drain(stream)
     assert sorted(resumed) == report.keys
     for key, samples in resumed.items():
@@ -102,9 +106,8 @@ def test_resumed_groups_finish_as_if_never_aborted(engine, reference, interrupte
 
 def test_an_abort_right_after_resuming_hands_the_carried_samples_back(engine, interrupted):
     _, report = interrupted
-    reqs = [dataclasses.replace(r, resume=tuple(report.partial[r.key])) for r in requests() if r.key in report.partial]
     with engine.stream() as stream:
-        stream.submit(reqs)
+        stream.submit(resumed_requests(report))
         again = stream.abort()
     assert again.tokens == 0  # carried-in tokens are not generated twice
     for key, samples in again.partial.items():
@@ -187,7 +190,8 @@ def test_the_next_step_continues_the_aborted_groups(engine):
 
 
 def test_without_partial_rollout_nothing_is_carried(engine):
-    out = stream_groups(engine, source(0), score, StreamPlan(target_groups=3, first=6, max_inflight=8, max_groups=40))
+    plan = StreamPlan(target_groups=3, first=6, max_inflight=8, max_groups=40)
+    out = stream_groups(engine, source(0), score, plan)
     assert out.carry == [] and out.stream.aborted_groups > 0 and out.stream.wasted_tokens > 0
     assert "rollout/carried_groups" not in rollout_cost_scalars(out, AlgoConfig())
 
@@ -270,7 +274,8 @@ def test_sglang_resumes_only_the_unfinished_samples():
 
     done = Sample(prompt_ids=[5], response_ids=[9, 9], rollout_logprobs=[-1.0, -1.0], finish_reason="stop")
     cut = Sample(prompt_ids=[5], response_ids=[7], rollout_logprobs=[-0.5], finish_reason="abort")
-    req = GroupRequest(key=3, prompt_ids=[5], n=2, sampling=SamplingParams(max_new_tokens=4), resume=(done, cut))
+    req = GroupRequest(key=3, prompt_ids=[5], n=2, sampling=SamplingParams(max_new_tokens=4),
+                       resume=(done, cut))
     server = ScriptedServer(cut=None)
     with SGLangStream(server) as stream:
         stream.submit([req])

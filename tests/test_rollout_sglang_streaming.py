@@ -107,7 +107,8 @@ def test_partial_rollout_continues_the_aborted_responses(engine, hf):
     cut = [s for v in report.partial.values() for s in v if s.finish_reason == "abort" and s.response_len]
     assert cut and report.tokens >= sum(s.response_len for s in cut)
     with engine.stream() as stream:
-        stream.submit([dataclasses.replace(group(k, 1000, n=2), resume=tuple(v)) for k, v in report.partial.items()])
+        stream.submit([dataclasses.replace(group(k, 1000, n=2), resume=tuple(v))
+                       for k, v in report.partial.items()])
         results = {r.key: r for r in (stream.next() for _ in range(3))}
     for key, r in results.items():
         for s, before in zip(r.samples, report.partial[key]):

@@ -169,7 +169,8 @@ def partial(engine: RolloutEngine, prompts: Iterator, algo: AlgoConfig, args, st
     return streaming(engine, prompts, algo, args, step, carry)
 
 
-MODES: dict[str, Callable] = {"rounds": rounds, "streaming": lambda *a, carry: streaming(*a), "partial": partial}
+MODES: dict[str, Callable] = {"rounds": rounds, "streaming": lambda *a, carry: streaming(*a),
+                              "partial": partial}
 
 
 def compare(engine_name: str, engine: RolloutEngine, args: argparse.Namespace) -> list[dict]:
@@ -184,8 +185,8 @@ def compare(engine_name: str, engine: RolloutEngine, args: argparse.Namespace) -
         for mode in order:
             t0, p0 = time.perf_counter(), counter.passes()
             with counter.counting():
-                kept, (tokens, wasted) = MODES[mode](engine, prompt_stream(1000 + step, args), algo, args, step,
-                                                     carry=carries[mode])
+                prompts = prompt_stream(1000 + step, args)
+                kept, (tokens, wasted) = MODES[mode](engine, prompts, algo, args, step, carry=carries[mode])
             t = totals[mode]
             t["wall"] += time.perf_counter() - t0
             t["passes"] += counter.passes() - p0

@@ -95,7 +95,7 @@ class StreamStats:
     """Tokens generated for groups that were aborted (partial, or finished but not collected) and not
     carried to the next step."""
     generated_tokens: int = 0
-    """Tokens generated in this step (a resumed group's carried-in tokens count in the step that made them)."""
+    """Tokens generated in this step (carried-in tokens count in the step that made them)."""
     partial: bool = False
     """Partial rollout was on (the carry monitors below are reported)."""
     resumed_groups: int = 0

@@ -174,7 +174,8 @@ class EmbeddedStream(RolloutStream):
         return out
 
     def _sample(self, row: _Row, reason: str) -> Sample:
-        return Sample(prompt_ids=list(self._groups[row.key].request.prompt_ids), response_ids=list(row.tokens),
+        prompt = self._groups[row.key].request.prompt_ids
+        return Sample(prompt_ids=list(prompt), response_ids=list(row.tokens),
                       rollout_logprobs=list(row.logprobs), finish_reason=reason)
 
     def close(self) -> None:
@@ -242,8 +243,12 @@ class EmbeddedStream(RolloutStream):
         if not take:
             return
         # Fresh rows share one prefill per prompt; a resumed row prefills its prompt + response so far.
-        resumed = [(key, k, p) for key, k in take if (p := groups[key].prior(k)) is not None and p.response_len]
-        fresh = [(key, k) for key, k in take if (p := groups[key].prior(k)) is None or not p.response_len]
+        def carried(key: int, k: int) -> Sample | None:
+            p = groups[key].prior(k)
+            return p if p is not None and p.response_len else None
+
+        resumed = [(key, k, p) for key, k in take if (p := carried(key, k)) is not None]
+        fresh = [(key, k) for key, k in take if carried(key, k) is None]
         counts = Counter(key for key, _ in fresh)
         rank = {key: i for i, key in enumerate(counts)}
         fresh.sort(key=lambda row: (rank[row[0]], row[1]))
@@ -252,7 +257,8 @@ class EmbeddedStream(RolloutStream):
         logits = self._decoder.admit(prompts, list(counts.values()) + [1] * len(resumed))
         self._logits = logits if self._logits is None else torch.cat([self._logits, logits])
         self._rows += [_Row(key, index) for key, index in fresh] + [
-            _Row(key, k, list(p.response_ids), list(p.rollout_logprobs), p.response_len) for key, k, p in resumed]
+            _Row(key, k, list(p.response_ids), list(p.rollout_logprobs), p.response_len)
+            for key, k, p in resumed]
         new = [(groups[key], index) for key, index in fresh] + [(groups[key], k) for key, k, _ in resumed]
         self._seed = self._cat(self._seed, [g.seed + k for g, k in new])
         self._count = self._cat(self._count, [0] * len(fresh) + [p.response_len for _, _, p in resumed])

@@ -182,7 +182,7 @@ class SGLangStream(RolloutStream):
                 self._late[epoch][r.key] = item
 
     def _call(self, r: GroupRequest, todo: list[int], rids: list[str]) -> GroupResult | _Cancelled:
-        """One /generate call for samples `todo` of the group (all of them, or a resumed group's unfinished)."""
+        """One /generate call for samples `todo` of the group (all, or a resumed group's unfinished ones)."""
         if r.resume:
             body, cut_at = continue_body(r.prompt_ids, [(k, r.resume[k]) for k in todo], r.sampling, rids)
         else:

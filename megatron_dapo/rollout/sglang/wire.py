@@ -115,8 +115,8 @@ def continue_body(prompt: Sequence[int], samples: Sequence[tuple[int, Sample]], 
         if sampling.seed is not None:
             p["sampling_seed"] = (sampling.seed + k) % 2**63
         per_request.append(p)
-    body = {"input_ids": [list(prompt) + list(s.response_ids) for _, s in samples], "sampling_params": per_request,
-            "return_logprob": True, "rid": list(rids)}
+    inputs = [list(prompt) + list(s.response_ids) for _, s in samples]
+    body = {"input_ids": inputs, "sampling_params": per_request, "return_logprob": True, "rid": list(rids)}
     return body, cut_at
 
 
