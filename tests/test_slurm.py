@@ -228,7 +228,7 @@ def test_tiny_job_through_slurm_succeeds(slurm_jobs):
     tmp = slurm_jobs["tmp"]
     job, info = slurm_jobs["good"]
     log_path = tmp / f"dapo-tiny-{job}.out"
-    log = log_path.read_text() if log_path.is_file() else "(no log)"
+    log = job_log(log_path) if log_path.is_file() else "(no log)"
     assert info["state"] == "COMPLETED" and info["exit"] == 0, info["text"] + log[-4000:]
     assert f"submitted job {job}" in slurm_jobs["submit"]
     assert "NumTasks=2" in info["text"]
@@ -254,7 +254,7 @@ def test_tiny_job_through_slurm_succeeds(slurm_jobs):
 def test_failing_job_is_reported_failed(slurm_jobs):
     tmp = slurm_jobs["tmp"]
     job, info = slurm_jobs["bad"]
-    log = (tmp / f"bad-{job}.out").read_text()
+    log = job_log(tmp / f"bad-{job}.out")
     # Every rank exits 2 on the bad config; srun reports the highest code of its tasks, and a rank
     # still running when --kill-on-bad-exit fires is SIGTERMed (128 + 15), so the job may read 143.
     assert info["state"] == "FAILED" and info["exit"] in (2, 143), info["text"] + log[-3000:]
@@ -288,10 +288,10 @@ def test_usr1_before_the_time_limit_saves_requeues_and_resumes(tmp_path):
     deadline = time.monotonic() + 600
     while _logged_steps(tmp_path / "tb" / "slurm_preempt") < {1} and time.monotonic() < deadline:
         time.sleep(1)
-    assert _logged_steps(tmp_path / "tb" / "slurm_preempt") >= {1}, log_path.read_text()[-4000:]
+    assert _logged_steps(tmp_path / "tb" / "slurm_preempt") >= {1}, job_log(log_path)[-4000:]
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=30)
     info = wait_for([job], timeout=900)[job]
-    log = log_path.read_text()
+    log = job_log(log_path)
     assert info["state"] == "COMPLETED" and info["exit"] == 0, info["text"] + log[-5000:]
     saved = re.search(r"preempted: stopped by SIGUSR1 after step (\d+): checkpoint \S+step_0*(\d+)", log)
     assert saved and saved.group(1) == saved.group(2) and int(saved.group(1)) < PREEMPT_STEPS, log[-5000:]
@@ -300,6 +300,12 @@ def test_usr1_before_the_time_limit_saves_requeues_and_resumes(tmp_path):
         assert needle in log, (needle, log[-5000:])
     assert "Traceback" not in log, log[-5000:]
     assert _logged_steps(tmp_path / "tb" / "slurm_preempt") == set(range(1, PREEMPT_STEPS + 1))
+
+
+def job_log(path: Path) -> str:
+    """A job's output file. srun relays both ranks' progress bars into it, and can cut a multi-byte
+    character between them (CI read invalid UTF-8), so undecodable bytes become U+FFFD."""
+    return path.read_text(errors="replace")
 
 
 def _logged_steps(logdir: Path) -> set[int]:
