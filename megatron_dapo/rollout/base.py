@@ -129,6 +129,13 @@ class GroupRequest:
         """Response tokens the group carries in from an earlier stream."""
         return sum(s.response_len for s in self.resume)
 
+    def initial(self, k: int) -> Sample:
+        """Sample k before this stream made any token of it: as carried in, else an empty "abort" one."""
+        if self.resume:
+            return self.resume[k]
+        return Sample(prompt_ids=list(self.prompt_ids), response_ids=[], rollout_logprobs=[],
+                      finish_reason="abort")
+
 
 def check_resume(r: GroupRequest) -> None:
     if len(r.resume) != r.n:

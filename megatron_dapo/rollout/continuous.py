@@ -165,12 +165,10 @@ class EmbeddedStream(RolloutStream):
         for row in self._rows:
             out[row.key][row.index] = self._sample(row, "abort")
         for key, samples in out.items():
-            group = self._groups[key]
+            request = self._groups[key].request
             for k, s in enumerate(samples):
                 if s is None:
-                    samples[k] = group.prior(k) or Sample(prompt_ids=list(group.request.prompt_ids),
-                                                          response_ids=[], rollout_logprobs=[],
-                                                          finish_reason="abort")
+                    samples[k] = request.initial(k)
         return out
 
     def _sample(self, row: _Row, reason: str) -> Sample:

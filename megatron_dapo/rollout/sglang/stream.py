@@ -216,7 +216,4 @@ def _so_far(r: GroupRequest, item: Any) -> list[Sample]:
     """A cancelled group's samples: what its call returned, else as it was submitted (never sent, failed)."""
     if isinstance(item, (GroupResult, _Cancelled)):
         return list(item.samples)
-    if r.resume:
-        return list(r.resume)
-    return [Sample(prompt_ids=list(r.prompt_ids), response_ids=[], rollout_logprobs=[], finish_reason="abort")
-            for _ in range(r.n)]
+    return [r.initial(k) for k in range(r.n)]
