@@ -78,9 +78,8 @@ class SGLangStream(RolloutStream):
         self._failed: dict[int, BaseException] = {}  # groups whose call failed (raised by next())
         self._requests: dict[int, GroupRequest] = {}  # the pending groups' requests
         self._running: dict[tuple[int, int], list[str]] = {}  # (epoch, key) -> request ids in flight
-        self._late_tokens: dict[int, int] = {}  # epoch -> tokens of its calls that returned after abort()
         self._late: dict[int, dict[int, Any]] = {}  # epoch -> key -> what its call returned after abort()
-        self._epoch = 0  # bumped by abort(): calls of an older epoch report to _late_tokens
+        self._epoch = 0  # bumped by abort(): calls of an older epoch report to _late
 
     @property
     def pending(self) -> int:
@@ -122,15 +121,14 @@ class SGLangStream(RolloutStream):
             self._futures, self._ready, self._failed, self._requests = {}, {}, {}, {}
             epoch = self._epoch
             self._epoch += 1
-            self._late_tokens[epoch], self._late[epoch] = 0, {}
+            self._late[epoch] = {}
             self._cond.notify_all()
         for fut in futures.values():
             fut.cancel()  # groups not yet sent never are
         self._abort_running(futures, epoch)
         with self._cond:
-            tokens = self._late_tokens.pop(epoch)
             late = self._late.pop(epoch)
-        tokens += sum(_new_tokens(requests[key], item) for key, item in ready.items())
+        tokens = sum(_new_tokens(requests[key], item) for key, item in [*ready.items(), *late.items()])
         partial = {key: _so_far(requests[key], ready.get(key, late.get(key))) for key in futures}
         return AbortReport(keys=sorted(futures), tokens=tokens, partial=partial)
 
@@ -177,8 +175,7 @@ class SGLangStream(RolloutStream):
             if epoch == self._epoch:
                 self._ready[r.key] = item
                 self._cond.notify_all()
-            elif isinstance(item, (GroupResult, _Cancelled)) and epoch in self._late_tokens:
-                self._late_tokens[epoch] += _new_tokens(r, item)
+            elif isinstance(item, (GroupResult, _Cancelled)) and epoch in self._late:
                 self._late[epoch][r.key] = item
 
     def _call(self, r: GroupRequest, todo: list[int], rids: list[str]) -> GroupResult | _Cancelled:
