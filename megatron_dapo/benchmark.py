@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -93,17 +94,24 @@ def run_case(args: list[str], *, timeout: float, label: str, env: dict[str, str]
 
 
 class ForwardCounter:
-    """Model forward passes: the embedded engine's decoder calls, or the batches an SGLang server logged."""
+    """Model forward passes and prefill positions: the embedded engine's decoder calls (a prefill's positions
+    include its padding), or the batches an SGLang server logged (its #new-token: radix-cache hits excluded)."""
 
     def __init__(self, engine: Any) -> None:
         self.log = getattr(engine, "log_path", None)
-        self.calls = 0
+        self.calls = self.prefilled = 0
 
     def passes(self) -> int:
         if self.log is None:
             return self.calls
         text = Path(self.log).read_text(errors="replace")
         return text.count("Decode batch") + text.count("Prefill batch")
+
+    def prefill_tokens(self) -> int:
+        if self.log is None:
+            return self.prefilled
+        text = Path(self.log).read_text(errors="replace")
+        return sum(int(n) for n in re.findall(r"Prefill batch[^\n]*?#new-token: (\d+)", text))
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
@@ -115,9 +123,11 @@ class ForwardCounter:
         originals = {cls: cls._forward for cls in (HFDecoder, LlamaDecoder)}
 
         def wrap(forward):
-            def counted(*a, **k):
+            def counted(decoder, ids, *a, **k):
                 self.calls += 1
-                return forward(*a, **k)
+                if ids.shape[1] > 1:
+                    self.prefilled += ids.numel()
+                return forward(decoder, ids, *a, **k)
             return counted
 
         for cls, forward in originals.items():

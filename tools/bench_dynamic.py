@@ -1,8 +1,9 @@
 """Rounds vs streaming rollout under dynamic sampling (`python tools/bench_rollout.py --dynamic`).
 
 Every step needs N informative groups of G samples. Two workloads (the lengths measured are printed):
-- "ramble" (default): a fraction --ramble-frac of the prompts ramble, every sample to --max-new-tokens, as
-  if those requests ignored EOS; the others stop after about --answer-len tokens (geometric). The policy
+- "ramble" (default): a fraction --ramble-frac of the prompts ramble (each fraction of a comma list is run
+  in turn: 0.05, 0.1 and 0.25 by default), every sample to --max-new-tokens, as if those requests ignored
+  EOS; the others stop after about --answer-len tokens (geometric). The policy
   is a tiny Qwen2 whose attention and MLP outputs are zeroed, so the next token depends on the current
   one only: tokens [2, V/2) "answer" and emit EOS at a rate 1/answer_len, tokens [V/2, V) "ramble" and
   never emit EOS (random noise in the other dimensions varies the tokens). A prompt's last token picks
@@ -21,6 +22,8 @@ on). Streaming favours groups that finish early: kept_response_len (the kept sam
 kept_truncated_frac (their fraction cut at the limit) show by how much, and how much partial rollout
 gives back.
 
+prefill_tokens counts the positions the prefills computed (embedded: padding included; SGLang: its logged
+#new-token, radix-cache hits excluded); partial rollout prefills each carried response again.
 forward_passes counts the engine's model forward passes (prefill and decode; SGLang: its logged batches,
 the server runs with --decode-log-interval 1). On this CPU a pass costs in proportion to its rows, so
 wall time follows tokens; a GPU decoding a small batch is memory-bound, a pass costs about the same
@@ -62,10 +65,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gen-batch-multiplier", type=float, default=1.0)
     g.add_argument("--max-inflight-groups", type=int, default=0)
     g.add_argument("--workload", choices=["ramble", "natural"], default="ramble")
-    g.add_argument("--ramble-frac", type=float, default=0.25, help="ramble: prompts that run to the limit")
+    g.add_argument("--ramble-frac", type=_fractions, default="0.05,0.1,0.25",
+                   help="ramble: the fraction of prompts that run to the limit; a comma list runs each")
     g.add_argument("--answer-len", type=float, default=20.0, help="ramble: mean length of the other responses")
     g.add_argument("--init-std", type=float, default=0.1, help="natural: weight scale")
     g.add_argument("--eos-scale", type=float, default=4.0, help="natural: EOS logit row scale")
+
+
+def _fractions(text: str) -> list[float]:
+    out = [float(f) for f in text.split(",") if f.strip()]
+    if not out or not all(0.0 <= f <= 1.0 for f in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: fractions in [0, 1], comma-separated")
+    return out
 
 
 def build_policy(args: argparse.Namespace):
@@ -177,27 +188,31 @@ def compare(engine_name: str, engine: RolloutEngine, args: argparse.Namespace) -
     algo = AlgoConfig(group_size=args.group_size, gen_batch_multiplier=args.gen_batch_multiplier)
     modes = list(MODES)
     carries: dict[str, list] = {m: [] for m in modes}
-    totals = {m: {"kept": 0, "wall": 0.0, "tokens": 0, "wasted": 0, "passes": 0, "lens": [], "cut": []}
+    totals = {m: {"kept": 0, "wall": 0.0, "tokens": 0, "wasted": 0, "passes": 0, "prefill": 0,
+                "lens": [], "cut": []}
               for m in modes}
     counter = ForwardCounter(engine)
     for step in range(args.steps):
         order = modes if step % 2 == 0 else modes[::-1]
         for mode in order:
-            t0, p0 = time.perf_counter(), counter.passes()
+            t0, p0, f0 = time.perf_counter(), counter.passes(), counter.prefill_tokens()
             with counter.counting():
                 prompts = prompt_stream(1000 + step, args)
                 kept, (tokens, wasted) = MODES[mode](engine, prompts, algo, args, step, carry=carries[mode])
             t = totals[mode]
             t["wall"] += time.perf_counter() - t0
             t["passes"] += counter.passes() - p0
+            t["prefill"] += counter.prefill_tokens() - f0
             t["kept"] += len(kept)
             t["tokens"] += tokens
             t["wasted"] += wasted
             t["lens"] += [s.response_len for g in kept for s in g.samples]
             t["cut"] += [s.truncated for g in kept for s in g.samples]
+    ramble = args.ramble_frac if args.workload == "ramble" else None
     return [{"engine": engine_name, "mode": m, "kept_groups": t["kept"], "wall_s": round(t["wall"], 3),
              "generated_tokens": t["tokens"], "wasted_tokens": t["wasted"], "forward_passes": t["passes"],
-             "steps": args.steps,
+             "prefill_tokens": t["prefill"], "steps": args.steps, "workload": args.workload,
+             "ramble_frac": ramble,
              "kept_response_len": round(sum(t["lens"]) / max(len(t["lens"]), 1), 1),
              "kept_truncated_frac": round(sum(t["cut"]) / max(len(t["cut"]), 1), 3)}
             for m, t in totals.items()]
@@ -224,6 +239,13 @@ def open_engine(name: str, model, folder: Path, args: argparse.Namespace) -> Rol
                         log_dir=folder / "logs", port=args.port, extra_args=("--decode-log-interval", "1"))
 
 
+def workloads(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """One namespace per workload run: each --ramble-frac (ramble), or the natural workload once."""
+    if args.workload == "natural":
+        return [args]
+    return [argparse.Namespace(**{**vars(args), "ramble_frac": f}) for f in args.ramble_frac]
+
+
 def main(args: argparse.Namespace) -> list[dict]:
     names = [n for n in args.engines.split(",") if n]
     model = build_policy(args)
@@ -232,10 +254,13 @@ def main(args: argparse.Namespace) -> list[dict]:
         for name in names:
             engine = open_engine(name, model, Path(tmp), args)
             try:
-                lengths = length_percentiles(engine, args)
-                if not args.json:
-                    print(f"{name}: response lengths {lengths} (max_new_tokens {args.max_new_tokens})")
-                rows += compare(name, engine, args)
+                for case in workloads(args):
+                    lengths = length_percentiles(engine, case)
+                    if not args.json:
+                        what = f"ramble {case.ramble_frac}" if case.workload == "ramble" else case.workload
+                        print(f"{name}, {what}: response lengths {lengths} "
+                              f"(max_new_tokens {case.max_new_tokens})")
+                    rows += compare(name, engine, case)
             finally:
                 engine.shutdown()
     return rows

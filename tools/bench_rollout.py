@@ -144,13 +144,16 @@ def dynamic(args: argparse.Namespace) -> None:
         if args.json:
             print(json.dumps(row))
             continue
-        base = next(r for r in rows if r["engine"] == row["engine"] and r["mode"] == "rounds")
+        base = next(r for r in rows if r["mode"] == "rounds"
+                    and (r["engine"], r["ramble_frac"]) == (row["engine"], row["ramble_frac"]))
         per_group = row["generated_tokens"] / max(row["kept_groups"], 1)
-        print(f"{row['engine']:<9}{row['mode']:<10} kept {row['kept_groups']:>4}  "
+        case = row["workload"] if row["ramble_frac"] is None else f"ramble {row['ramble_frac']}"
+        print(f"{row['engine']:<9}{case:<12}{row['mode']:<10} kept {row['kept_groups']:>4}  "
               f"wall {row['wall_s']:>8.2f} s "
               f"(x{row['wall_s'] / base['wall_s']:.2f})  tokens/kept group {per_group:>7.0f}  "
               f"wasted {row['wasted_tokens']:>6}  kept len {row['kept_response_len']}  forward passes "
-              f"{row['forward_passes']:>6} (x{row['forward_passes'] / max(base['forward_passes'], 1):.2f})")
+              f"{row['forward_passes']:>6} (x{row['forward_passes'] / max(base['forward_passes'], 1):.2f})  "
+              f"prefill tokens {row['prefill_tokens']:>6}")
 
 
 def report(rates: dict[str, float], args: argparse.Namespace) -> None:
