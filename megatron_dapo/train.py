@@ -118,7 +118,8 @@ def collect(run: RunState, step: int) -> StepRollout:
         rollout = collect_stream(run.engine, run.tokenizer, run.next_prompts, **common,
                                  sampling=lambda g: group_sampling(cfg, step, g, run.eos_ids),
                                  max_inflight_groups=cfg.rollout.max_inflight_groups,
-                                 partial=cfg.rollout.partial_rollout, carry=run.carry)
+                                 partial=cfg.rollout.partial_rollout, carry=run.carry,
+                                 max_carry_steps=cfg.rollout.max_carry_steps)
         run.carry = rollout.carry
         return rollout
     return collect_step(run.engine, run.tokenizer, run.next_prompts, **common,

@@ -22,12 +22,11 @@ MODES = ("rounds", "streaming", "partial")
 CASES = [(f, m) for f in FRACS for m in MODES]
 
 
-@pytest.fixture(scope="module")
-def rows() -> dict[str, dict]:
+def run_bench(*extra: str) -> dict:
     cmd = [sys.executable, str(REPO / "tools" / "bench_rollout.py"), "--dynamic", "--json",
            "--engines", "embedded",
            "--steps", str(STEPS), "--groups", str(GROUPS), "--group-size", str(G),
-           "--max-new-tokens", str(MAX_NEW), "--ramble-frac", ",".join(map(str, FRACS))]
+           "--max-new-tokens", str(MAX_NEW), "--ramble-frac", ",".join(map(str, FRACS)), *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
@@ -35,6 +34,11 @@ def rows() -> dict[str, dict]:
     cases = [(o["engine"], o["workload"], o["ramble_frac"], o["mode"]) for o in out]
     assert cases == [("embedded", "ramble", f, m) for f, m in CASES], r.stdout
     return {(o["ramble_frac"], o["mode"]): o for o in out}
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict:
+    return run_bench()
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -79,3 +83,17 @@ def test_forward_counter_by_hand():
     assert (counter.passes(), counter.prefill_tokens()) == (4, 14)
     engine.generate([[3, 4]], 1, sampling)  # outside counting(): not counted
     assert (counter.passes(), counter.prefill_tokens()) == (4, 14)
+
+
+def test_device_moves_the_embedded_engine_only():
+    cmd = [sys.executable, str(REPO / "tools" / "bench_rollout.py"), "--dynamic", "--device", "cuda"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode != 0 and "pass --engines embedded" in r.stderr
+
+
+@pytest.mark.gpu
+def test_the_benchmark_runs_on_cuda():
+    """The GPU check's rounds-vs-streaming stage (tools/gpu_check.sh): the same sweep on the CUDA engine."""
+    on_gpu = run_bench("--device", "cuda")
+    for case, row in on_gpu.items():
+        assert row["kept_groups"] == STEPS * GROUPS and row["forward_passes"] >= STEPS, case

@@ -203,6 +203,49 @@ def test_the_carry_survives_a_checkpoint(engine):
     assert back == carry
 
 
+def long_then_short(offset: int):
+    """Group 0: 40 tokens, never informative; every later group: 2 tokens, informative."""
+    def request(g: int):
+        long = g == 0
+        prompt = Prompt(uid=f"s/{offset + g}", messages=(), ground_truth="0" if long else "1")
+        return prompt, GroupRequest(key=g, prompt_ids=[5, 6, 7], n=2, sampling=SamplingParams(
+            max_new_tokens=40 if long else 2, ignore_eos=True, seed=offset + g))
+    return request
+
+
+@pytest.mark.parametrize("max_carry_steps, dropped", [(1, True), (2, False), (0, False)])
+def test_a_group_is_carried_at_most_max_carry_steps(engine, max_carry_steps, dropped):
+    """Step one keeps the short group and carries the long one (carried once); step two keeps its fresh short
+    group and aborts the long one again: a second carry exceeds max_carry_steps=1, so it is dropped and all
+    its tokens (both steps') are wasted; with 2, or 0 (no bound), it is carried on."""
+    plan = StreamPlan(target_groups=1, first=2, max_inflight=2, max_groups=10, partial=True,
+                      max_carry_steps=max_carry_steps)
+    one = stream_groups(engine, long_then_short(0), score, plan)
+    assert [p.uid for p, _ in one.carry] == ["s/0"] and one.carry[0][1].carried_steps == 1
+    two = stream_groups(engine, long_then_short(100), score, plan, one.carry)
+    assert [g.prompt.uid for g in two.groups] == ["s/101"] and two.stream.aborted_groups == 1
+    long_total = one.stream.carried_tokens + two.stream.generated_tokens - 2 * 2  # less the fresh group's
+    assert 0 < one.stream.carried_tokens < long_total < 2 * 40
+    costs = rollout_cost_scalars(two, AlgoConfig())
+    if dropped:
+        assert two.carry == [] and two.stream.dropped_stale_groups == 1
+        assert two.stream.wasted_tokens == long_total
+        assert costs["rollout/dropped_stale_groups"] == 1.0
+    else:
+        assert [(p.uid, r.carried_steps) for p, r in two.carry] == [("s/0", 2)]
+        assert two.stream.wasted_tokens == 0 and two.stream.dropped_stale_groups == 0
+        assert two.stream.carried_tokens == long_total
+        assert costs["rollout/dropped_stale_groups"] == 0.0
+
+
+def test_a_checkpoint_from_before_carried_steps_loads_as_never_carried(engine):
+    plan = StreamPlan(target_groups=3, first=6, max_inflight=8, max_groups=40, partial=True)
+    state = carry_state(stream_groups(engine, source(0), score, plan).carry)
+    for item in state:
+        del item["request"]["carried_steps"]
+    assert {r.carried_steps for _, r in load_carry(state)} == {0}
+
+
 def test_partial_rollout_needs_streaming():
     with pytest.raises(ConfigError, match="rollout.partial_rollout needs rollout.streaming=true"):
         validate(load_config(None, ["rollout.partial_rollout=true"]))

@@ -207,7 +207,7 @@ def test_streaming_sigkill_and_resume_replays_exactly(base_dir, tmp_path, python
     """The embedded stream is one deterministic decode loop and group g's seed is f(seed, step, g): a
     resumed run replays the same groups, kept set included. With partial rollout the checkpoint holds the
     groups the step aborted, and the resumed run continues them as the straight run did."""
-    extra = ["rollout.partial_rollout=true"] if partial else []
+    extra = ["rollout.partial_rollout=true", "rollout.max_carry_steps=1"] if partial else []
     steps = ["train.steps=3", "checkpoint.save_every=1", "eval.every_steps=0", *STREAM, *extra]
     run_train(train_cmd(base_dir, tmp_path, "straight", *steps), python_env)
     marker = tmp_path / "ckpt" / "killed" / "step_00000001" / "COMPLETE"
@@ -215,7 +215,8 @@ def test_streaming_sigkill_and_resume_replays_exactly(base_dir, tmp_path, python
     assert marker.exists(), "the run never reached its step-1 checkpoint"
     run_train(train_cmd(base_dir, tmp_path, "killed", *steps, "checkpoint.resume=auto"), python_env)
     a, b = scalars(tmp_path / "tb" / "straight"), scalars(tmp_path / "tb" / "killed")
-    carry = ["rollout/resumed_groups", "rollout/carried_groups", "rollout/carried_tokens"] if partial else []
+    carry = ["rollout/resumed_groups", "rollout/carried_groups", "rollout/carried_tokens",
+             "rollout/dropped_stale_groups"] if partial else []
     if partial:
         assert a["rollout/resumed_groups"][2] == a["rollout/carried_groups"][1] > 0, a["rollout/carried_groups"]
     for tag in TAGS + ["rollout/aborted_groups", "rollout/wasted_tokens", "rollout/generated_tokens", *carry]:

@@ -1,33 +1,24 @@
 """Rounds vs streaming rollout under dynamic sampling (`python tools/bench_rollout.py --dynamic`).
 
-Every step needs N informative groups of G samples. Two workloads (the lengths measured are printed):
-- "ramble" (default): a fraction --ramble-frac of the prompts ramble (each fraction of a comma list is run
-  in turn: 0.05, 0.1 and 0.25 by default), every sample to --max-new-tokens, as if those requests ignored
-  EOS; the others stop after about --answer-len tokens (geometric). The policy
-  is a tiny Qwen2 whose attention and MLP outputs are zeroed, so the next token depends on the current
-  one only: tokens [2, V/2) "answer" and emit EOS at a rate 1/answer_len, tokens [V/2, V) "ramble" and
-  never emit EOS (random noise in the other dimensions varies the tokens). A prompt's last token picks
-  its regime, so one sampling config serves both kinds of prompt, for both modes and both engines.
+Every step needs N informative groups of G samples. Workloads (the lengths measured are printed):
+- "ramble" (default): a fraction --ramble-frac of the prompts (each of a comma list in turn; 0.05, 0.1
+  and 0.25 by default) ramble, every sample to --max-new-tokens; the others stop after about --answer-len
+  tokens (geometric). The policy is a tiny Qwen2 with zeroed attention and MLP outputs, so the next token
+  depends on the current one only: tokens [2, V/2) "answer" and emit EOS at a rate 1/answer_len, tokens
+  [V/2, V) "ramble" and never emit EOS; a prompt's last token picks its regime.
 - "natural": a random tiny Qwen2 with peaky weights (normal(0, --init-std)) and its EOS row scaled by
   --eos-scale: lengths depend on prompt and sample, a few responses run to the limit.
-Prompt i has a difficulty p_i in {0.03, 0.5, 0.97} (one third each); a sample is "correct" when a hash of
-(prompt, response ids) falls below p_i, so informativeness is independent of length and the kept fraction
-is about 0.47, as for a policy mid-training. Every mode runs the same engine, N, G, sampling and dynamic-
-sampling config, and each step the same prompt sequence: "rounds" is loop/collect.py's loop
-(DynamicSampler, one blocking generate per round), "streaming" is loop/stream.py's `stream_groups`, and
-"partial" is `stream_groups` with partial rollout: each step's aborted groups are
-continued by the next. Steps alternate the order of the modes. wall_s sums the steps' rollout times;
-wasted_tokens: surplus groups trimmed (rounds) or aborted groups' tokens (streaming; partial carries them
-on). Streaming favours groups that finish early: kept_response_len (the kept samples' mean length) and
-kept_truncated_frac (their fraction cut at the limit) show by how much, and how much partial rollout
-gives back.
-
-prefill_tokens counts the positions the prefills computed (embedded: padding included; SGLang: its logged
-#new-token, radix-cache hits excluded); partial rollout prefills each carried response again.
-forward_passes counts the engine's model forward passes (prefill and decode; SGLang: its logged batches,
-the server runs with --decode-log-interval 1). On this CPU a pass costs in proportion to its rows, so
-wall time follows tokens; a GPU decoding a small batch is memory-bound, a pass costs about the same
-whatever its rows, and wall time follows forward passes instead.
+Prompt i has a difficulty p_i in {0.03, 0.5, 0.97}; a sample is "correct" when a hash of (prompt, response)
+falls below p_i: informativeness does not depend on length (kept fraction ~0.47). Each step, every mode gets
+the same prompts, in alternating order. "rounds" is loop/collect.py's loop (a blocking generate per round),
+"streaming" loop/stream.py's `stream_groups`, "partial" that with partial rollout.
+wall_s: the steps' rollout time; wasted_tokens: surplus groups trimmed (rounds) or aborted groups' tokens;
+kept_response_len / kept_truncated_frac: how far streaming favours groups that finish early; prefill_tokens:
+positions prefilled (embedded: padding included; SGLang: its #new-token; partial rollout prefills each
+carried response again); forward_passes (SGLang: its logged batches). On this CPU a pass costs in proportion
+to its rows, so wall time follows tokens; a GPU decoding a small batch is memory-bound, a pass costs about
+the same whatever its rows, and wall time follows forward passes: `--engines embedded --device cuda`
+measures that (tools/gpu_check.sh runs it).
 """
 
 from __future__ import annotations
@@ -44,7 +35,7 @@ import torch
 
 from megatron_dapo.algo.dynamic_sampling import DynamicSampler, is_informative
 from megatron_dapo.benchmark import ForwardCounter
-from megatron_dapo.config import AlgoConfig, SGLangConfig
+from megatron_dapo.config import AlgoConfig, RolloutConfig, SGLangConfig
 from megatron_dapo.loop.collect import seed_of
 from megatron_dapo.loop.stream import StreamPlan, stream_groups
 from megatron_dapo.rollout.base import GroupRequest, RolloutEngine, SamplingParams
@@ -64,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--gen-batch-multiplier", type=float, default=1.0)
     g.add_argument("--max-inflight-groups", type=int, default=0)
+    g.add_argument("--max-carry-steps", type=int, default=RolloutConfig().max_carry_steps,
+                   help="partial: drop a group aborted again after this many carries (0: no bound)")
     g.add_argument("--workload", choices=["ramble", "natural"], default="ramble")
     g.add_argument("--ramble-frac", type=_fractions, default="0.05,0.1,0.25",
                    help="ramble: the fraction of prompts that run to the limit; a comma list runs each")
@@ -168,29 +161,24 @@ def streaming(engine: RolloutEngine, prompts: Iterator, algo: AlgoConfig, args,
         return prompt, GroupRequest(key=g, prompt_ids=ids, n=args.group_size,
                                     sampling=sampling(args, "stream", step, g))
 
-    plan = StreamPlan.from_config(algo, args.groups, args.max_inflight_groups, partial=carry is not None)
+    plan = StreamPlan.from_config(algo, args.groups, args.max_inflight_groups, partial=carry is not None,
+                                  max_carry_steps=args.max_carry_steps)
     out = stream_groups(engine, request, score, plan, carry or [])
     if carry is not None:
         carry[:] = out.carry
     return out.groups, [out.stream.generated_tokens, out.stream.wasted_tokens]
 
 
-def partial(engine: RolloutEngine, prompts: Iterator, algo: AlgoConfig, args, step: int,
-            carry: list) -> tuple[list, list]:
-    return streaming(engine, prompts, algo, args, step, carry)
-
-
 MODES: dict[str, Callable] = {"rounds": rounds, "streaming": lambda *a, carry: streaming(*a),
-                              "partial": partial}
+                              "partial": streaming}
 
 
 def compare(engine_name: str, engine: RolloutEngine, args: argparse.Namespace) -> list[dict]:
     algo = AlgoConfig(group_size=args.group_size, gen_batch_multiplier=args.gen_batch_multiplier)
     modes = list(MODES)
     carries: dict[str, list] = {m: [] for m in modes}
-    totals = {m: {"kept": 0, "wall": 0.0, "tokens": 0, "wasted": 0, "passes": 0, "prefill": 0,
-                "lens": [], "cut": []}
-              for m in modes}
+    totals = {m: {"kept": 0, "wall": 0.0, "tokens": 0, "wasted": 0, "passes": 0, "prefill": 0, "lens": [],
+                  "cut": []} for m in modes}
     counter = ForwardCounter(engine)
     for step in range(args.steps):
         order = modes if step % 2 == 0 else modes[::-1]
@@ -203,16 +191,14 @@ def compare(engine_name: str, engine: RolloutEngine, args: argparse.Namespace) -
             t["wall"] += time.perf_counter() - t0
             t["passes"] += counter.passes() - p0
             t["prefill"] += counter.prefill_tokens() - f0
-            t["kept"] += len(kept)
-            t["tokens"] += tokens
+            t["kept"], t["tokens"] = t["kept"] + len(kept), t["tokens"] + tokens
             t["wasted"] += wasted
             t["lens"] += [s.response_len for g in kept for s in g.samples]
             t["cut"] += [s.truncated for g in kept for s in g.samples]
-    ramble = args.ramble_frac if args.workload == "ramble" else None
     return [{"engine": engine_name, "mode": m, "kept_groups": t["kept"], "wall_s": round(t["wall"], 3),
              "generated_tokens": t["tokens"], "wasted_tokens": t["wasted"], "forward_passes": t["passes"],
              "prefill_tokens": t["prefill"], "steps": args.steps, "workload": args.workload,
-             "ramble_frac": ramble,
+             "ramble_frac": args.ramble_frac,
              "kept_response_len": round(sum(t["lens"]) / max(len(t["lens"]), 1), 1),
              "kept_truncated_frac": round(sum(t["cut"]) / max(len(t["cut"]), 1), 3)}
             for m, t in totals.items()]
@@ -229,7 +215,7 @@ def open_engine(name: str, model, folder: Path, args: argparse.Namespace) -> Rol
     if name == "embedded":
         from megatron_dapo.rollout.embedded import EmbeddedEngine
 
-        return EmbeddedEngine(model)
+        return EmbeddedEngine(model, device=args.device)
     from megatron_dapo.rollout.sglang.engine import SGLangEngine
     from megatron_dapo.rollout.sglang.server import default_python
 
@@ -240,10 +226,9 @@ def open_engine(name: str, model, folder: Path, args: argparse.Namespace) -> Rol
 
 
 def workloads(args: argparse.Namespace) -> list[argparse.Namespace]:
-    """One namespace per workload run: each --ramble-frac (ramble), or the natural workload once."""
-    if args.workload == "natural":
-        return [args]
-    return [argparse.Namespace(**{**vars(args), "ramble_frac": f}) for f in args.ramble_frac]
+    """One namespace per run: each --ramble-frac (ramble), or the natural workload once (ramble_frac None)."""
+    fracs = args.ramble_frac if args.workload == "ramble" else [None]
+    return [argparse.Namespace(**{**vars(args), "ramble_frac": f}) for f in fracs]
 
 
 def main(args: argparse.Namespace) -> list[dict]:
@@ -255,10 +240,9 @@ def main(args: argparse.Namespace) -> list[dict]:
             engine = open_engine(name, model, Path(tmp), args)
             try:
                 for case in workloads(args):
-                    lengths = length_percentiles(engine, case)
+                    lengths = length_percentiles(engine, case)  # (also warms the engine up)
                     if not args.json:
-                        what = f"ramble {case.ramble_frac}" if case.workload == "ramble" else case.workload
-                        print(f"{name}, {what}: response lengths {lengths} "
+                        print(f"{name}, {case.workload} {case.ramble_frac or ''}".rstrip() + f": response lengths {lengths} "
                               f"(max_new_tokens {case.max_new_tokens})")
                     rows += compare(name, engine, case)
             finally:

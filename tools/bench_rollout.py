@@ -13,9 +13,10 @@ after a warm-up); the median is reported.
 
 --dynamic instead compares a step's rollout in synchronous rounds vs streaming (the same N informative
 groups per step, long-tailed lengths; see tools/bench_dynamic.py) on the embedded engine and on a real
-SGLang server (its venv: $MEGATRON_DAPO_SGLANG_VENV); one JSON line per (engine, mode) with --json:
+SGLang server (its venv: $MEGATRON_DAPO_SGLANG_VENV); one JSON line per (engine, workload, mode) with --json:
 
     python tools/bench_rollout.py --dynamic --json
+    python tools/bench_rollout.py --dynamic --json --engines embedded --device cuda   # on a GPU
 """
 
 from __future__ import annotations
@@ -136,6 +137,9 @@ def dynamic(args: argparse.Namespace) -> None:
     unknown = set(args.engines.split(",")) - {"embedded", "sglang"}
     if unknown or not args.engines:
         raise SystemExit(f"bench_rollout.py: --engines {args.engines!r}: choose from embedded, sglang")
+    if "sglang" in args.engines and args.device != "cpu":
+        raise SystemExit(f"bench_rollout.py: --device {args.device} moves the embedded engine only "
+                         f"(SGLang runs on this CPU here): pass --engines embedded")
     if "sglang" in args.engines and default_python() == sys.executable:
         raise SystemExit("bench_rollout.py: no SGLang venv: set MEGATRON_DAPO_SGLANG_VENV "
                          "(tools/sglang_venv.sh) or pass --engines embedded")

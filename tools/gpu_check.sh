@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with one CUDA GPU and no internet, install the carried wheels, run the
-# `gpu`-marked tests that can run there, the loss benchmark on CUDA and the actor memory benchmark, and
-# print ONE JSON summary line (last line of stdout). Budget: 8 minutes (each stage has its own timeout).
+# `gpu`-marked tests that can run there, the loss benchmark on CUDA, the actor memory benchmark and the
+# rounds-vs-streaming rollout benchmark on the embedded engine on CUDA, and print ONE JSON summary line
+# (last line of stdout). Budget: 9.5 minutes (each stage has its own timeout).
 #
 #   bash tools/gpu_check.sh --prepare      # HERE (with a package index): wheels/ for the device's python
 #   bash tools/gpu_check.sh                # THERE, from the repository root (carry: ["wheels"])
@@ -63,7 +64,8 @@ stage pytest 210 "$PY" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
 stage bench_loss 90 "$PY" tools/bench_loss.py --device cuda --json --tokens 16384 --vocab 152064 \
   --impl naive fused fused_inplace naive_linear fused_linear
 stage bench_actor 80 "$PY" tools/bench_actor.py --memory --json --device cuda --tokens 16384 --steps 3
-fi  # the stages' timeouts add up to 470 s: with the summary the check ends within 8 minutes
+stage bench_dynamic 80 "$PY" tools/bench_rollout.py --dynamic --json --engines embedded --device cuda
+fi  # the stages' timeouts add up to 550 s: with the summary the check ends within 9.5 minutes
 
 "$PY" - "$OUT_DIR" "$MODE" "$(( $(date +%s) - START ))" <<'EOF'
 import json, re, sys
@@ -83,7 +85,7 @@ def json_lines(log):
 
 
 summary = {"mode": mode, "seconds": seconds, "stages": {}}
-for name in ("install", "cuda", "pytest", "bench_loss", "bench_actor"):
+for name in ("install", "cuda", "pytest", "bench_loss", "bench_actor", "bench_dynamic"):
     rc, log = stage(name)
     summary["stages"][name] = rc
     if name == "cuda" and log.strip():
@@ -91,12 +93,18 @@ for name in ("install", "cuda", "pytest", "bench_loss", "bench_actor"):
     if name == "pytest":
         counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", log))
         summary["pytest"] = counts
-    if name in ("bench_loss", "bench_actor"):
+    if name in ("bench_loss", "bench_actor", "bench_dynamic"):
         summary[name] = json_lines(log)
 actor = {r["impl"]: r for r in summary["bench_actor"]}
 if "naive" in actor:
     summary["actor_vs_naive"] = {k: {"peak": round(r["peak_loss_bytes"] / max(actor["naive"]["peak_loss_bytes"], 1), 4),
                                      "step_time": round(r["step_s"] / actor["naive"]["step_s"], 3)}
                                  for k, r in actor.items() if k != "naive"}
+rounds = {r["ramble_frac"]: r for r in summary["bench_dynamic"] if r["mode"] == "rounds"}
+summary["streaming_vs_rounds"] = {
+    f'{r["mode"]}@{r["ramble_frac"]}': {"wall": round(r["wall_s"] / rounds[r["ramble_frac"]]["wall_s"], 3),
+                                        "forward_passes": round(r["forward_passes"]
+                                                                / max(rounds[r["ramble_frac"]]["forward_passes"], 1), 3)}
+    for r in summary["bench_dynamic"] if r["mode"] != "rounds" and r["ramble_frac"] in rounds}
 print(json.dumps(summary))
 EOF

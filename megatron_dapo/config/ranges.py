@@ -36,6 +36,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.top_p": ("(0, 1]", ""),
     "rollout.weight_sync_bucket_mb": ("[1, inf)", ""),
     "rollout.max_inflight_groups": ("[0, inf)", "0 = automatic"),
+    "rollout.max_carry_steps": ("[0, inf)", "0 = no bound"),
     "rollout.sglang.mem_fraction_static": ("(0, 1)", ""),
     "rollout.sglang.tensor_parallel": ("[1, inf)", ""),
     "rollout.sglang.num_servers": ("[0, inf)", "0 = fill the node"),

@@ -148,6 +148,10 @@ class RolloutConfig:
     """Streaming: the groups a step aborts continue in the next step from where they
     stopped (slime's partial rollout) instead of being dropped; their earlier tokens were sampled by an
     older policy (rollout correction weighs them). The carried groups are saved in checkpoints."""
+    max_carry_steps: int = 4
+    """Partial rollout: a group is carried into at most this many later steps, so its oldest tokens are at
+    most this many policy updates stale; one still unfinished after that is dropped when the step aborts
+    it (rollout/dropped_stale_groups; its tokens count as wasted). 0 = no bound."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 

@@ -21,8 +21,8 @@ abort report holds each one's samples so far; the next step submits them first (
 responses continue where they stopped, under the new weights. Their earlier tokens keep the logprobs of
 the policy that sampled them: the actor recomputes pi_old over the whole response, and the rollout-
 correction weights (`algo.rollout_correction`, when on) account for the gap. The carry is part of the
-checkpoint. Nothing bounds how many steps a group is carried: a response of L tokens is carried for as
-many steps as it takes to finish.
+checkpoint. A group is carried into at most `rollout.max_carry_steps` later steps (0: no bound), so no token
+is more than that many policy updates stale; one still unfinished then is dropped (its tokens wasted).
 """
 
 from __future__ import annotations
@@ -65,17 +65,20 @@ class StreamPlan:
     on_exhausted: OnExhausted = "train_partial"
     partial: bool = False
     """Partial rollout: hand the aborted groups, as far as they got, to the next step."""
+    max_carry_steps: int = 0
+    """Partial rollout: drop a group aborted again after this many carries (0: no bound)."""
 
     @classmethod
     def from_config(cls, algo: AlgoConfig, target_groups: int, max_inflight_groups: int = 0,
-                    partial: bool = False) -> StreamPlan:
+                    partial: bool = False, max_carry_steps: int = 0) -> StreamPlan:
         first = math.ceil(target_groups * algo.gen_batch_multiplier)
+        carry = {"partial": partial, "max_carry_steps": max_carry_steps}
         if not algo.dynamic_sampling:
             return cls(target_groups=target_groups, first=target_groups, max_inflight=target_groups,
-                       max_groups=target_groups, dynamic_sampling=False, partial=partial)
+                       max_groups=target_groups, dynamic_sampling=False, **carry)
         return cls(target_groups=target_groups, first=first, oversample=algo.gen_batch_multiplier,
                    max_inflight=max_inflight_groups or 2 * first, max_groups=algo.max_gen_rounds * first,
-                   metric=algo.filter_metric, on_exhausted=algo.on_rounds_exhausted, partial=partial)
+                   metric=algo.filter_metric, on_exhausted=algo.on_rounds_exhausted, **carry)
 
     def inflight(self, kept: int, seen: int, informative: int) -> int:
         """Groups that should be in flight now."""
@@ -93,7 +96,7 @@ class StreamStats:
     aborted_groups: int = 0
     wasted_tokens: int = 0
     """Tokens generated for groups that were aborted (partial, or finished but not collected) and not
-    carried to the next step."""
+    carried to the next step; a dropped stale group's tokens count in full, over every step that made them."""
     generated_tokens: int = 0
     """Tokens generated in this step (carried-in tokens count in the step that made them)."""
     partial: bool = False
@@ -103,6 +106,8 @@ class StreamStats:
     carried_groups: int = 0
     carried_tokens: int = 0
     """Groups handed to the next step and the response tokens they take along."""
+    dropped_stale_groups: int = 0
+    """Aborted groups not carried on: they had been carried max_carry_steps times already."""
     first_kept_s: float = math.nan
     """Seconds from the step's start to its first kept group."""
 
@@ -135,7 +140,7 @@ def group_sampling(cfg: Config, step: int, group: int, eos_ids: tuple[int, ...])
 def collect_stream(engine: RolloutEngine, tokenizer, next_prompts: Callable[[int], list[Prompt]], *,
                    target_groups: int, algo: AlgoConfig, scorer: Scorer,
                    sampling: Callable[[int], SamplingParams], max_inflight_groups: int = 0,
-                   partial: bool = False, carry: Carry = ()) -> StreamRollout:
+                   partial: bool = False, carry: Carry = (), max_carry_steps: int = 0) -> StreamRollout:
     """The streaming counterpart of collect_step; `sampling(g)` gives group g's sampling (and seed).
     With `partial`, `carry` (the previous step's) goes first and the result's carry is the next step's."""
 
@@ -144,8 +149,8 @@ def collect_stream(engine: RolloutEngine, tokenizer, next_prompts: Callable[[int
         ids = render_prompt_ids(tokenizer, prompt)
         return prompt, GroupRequest(key=g, prompt_ids=ids, n=algo.group_size, sampling=sampling(g))
 
-    out = stream_groups(engine, request, lambda g: score_group(g, tokenizer, scorer),
-                        StreamPlan.from_config(algo, target_groups, max_inflight_groups, partial), carry)
+    plan = StreamPlan.from_config(algo, target_groups, max_inflight_groups, partial, max_carry_steps)
+    out = stream_groups(engine, request, lambda g: score_group(g, tokenizer, scorer), plan, carry)
     out.reward_failures = scorer.take_failures()
     return out
 
@@ -191,29 +196,35 @@ def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, 
                     if len(out.groups) == 1:
                         out.stream.first_kept_s = time.perf_counter() - t0
         except Exception as e:
-            _finish(out, stream.abort(), informative, plan, exhausted_ok=True)
-            out.carry = []
+            report = stream.abort()
+            _finish(out, report, informative, plan, report.tokens, exhausted_ok=True)
             raise RolloutStepError(
                 f"streaming rollout failed after keeping {len(out.groups)}/{plan.target_groups} groups "
                 f"({len(out.generated)} finished, {out.stream.submitted} submitted): {e}", out) from e
         report = stream.abort()
+        wasted = report.tokens
         if plan.partial:
             if set(report.partial) != set(report.keys):
                 raise RuntimeError(f"partial rollout: {type(stream).__name__} did not report every aborted "
                                    f"group's samples ({sorted(report.partial)} of {report.keys})")
-            out.carry = [(prompts[k], dataclasses.replace(requests[k], resume=tuple(report.partial[k])))
-                         for k in report.keys]
-        _finish(out, report, informative, plan)
+            carry = [(prompts[k], dataclasses.replace(requests[k], resume=tuple(report.partial[k]),
+                                                      carried_steps=requests[k].carried_steps + 1))
+                     for k in report.keys]
+            stale = [0 < plan.max_carry_steps < r.carried_steps for _, r in carry]
+            out.carry = [c for c, old in zip(carry, stale) if not old]
+            out.stream.dropped_stale_groups = sum(stale)
+            wasted = sum(r.resumed_tokens for (_, r), old in zip(carry, stale) if old)
+        _finish(out, report, informative, plan, wasted)
     out.generate_seconds = time.perf_counter() - t0 - out.reward_seconds
     return out
 
 
-def _finish(out: StreamRollout, report: AbortReport, informative: int, plan: StreamPlan,
+def _finish(out: StreamRollout, report: AbortReport, informative: int, plan: StreamPlan, wasted: int,
             exhausted_ok: bool = False) -> None:
     out.stream.aborted_groups = len(report.keys)
     out.stream.carried_groups = len(out.carry)
     out.stream.carried_tokens = sum(r.resumed_tokens for _, r in out.carry)
-    out.stream.wasted_tokens = 0 if out.carry else report.tokens
+    out.stream.wasted_tokens = wasted
     out.stream.generated_tokens += report.tokens
     seen = len(out.generated)
     exhausted = plan.dynamic_sampling and len(out.groups) < plan.target_groups
@@ -241,7 +252,8 @@ def rollout_cost_scalars(rollout: StepRollout, algo: AlgoConfig) -> dict[str, fl
         if s.partial:
             out.update({"rollout/resumed_groups": float(s.resumed_groups),
                         "rollout/carried_groups": float(s.carried_groups),
-                        "rollout/carried_tokens": float(s.carried_tokens)})
+                        "rollout/carried_tokens": float(s.carried_tokens),
+                        "rollout/dropped_stale_groups": float(s.dropped_stale_groups)})
         return out if math.isnan(s.first_kept_s) else {**out, "rollout/first_kept_s": s.first_kept_s}
     kept = {id(g) for g in rollout.groups}
     surplus = [g for g in rollout.generated if id(g) not in kept

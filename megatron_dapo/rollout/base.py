@@ -116,6 +116,9 @@ class GroupRequest:
     """Partial rollout: the group's n samples as an aborted stream left them (`AbortReport.partial`). A
     finished one ("stop"/"length") comes back as it is; an "abort" one continues from its response so
     far, which counts toward max_new_tokens."""
+    carried_steps: int = 0
+    """Partial rollout: how many steps the group has been carried into (the loop's staleness count;
+    engines ignore it)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))

@@ -138,7 +138,8 @@ class LlamaDecoder:
         self.pos = self.pos + 1
         return logits
 
-    def _forward(self, ids: Tensor, pos: Tensor, attn_mask: Tensor, last: Tensor | None = None) -> Tensor:
+    def _forward(self, ids: Tensor, pos: Tensor, attn_mask: Tensor | None,
+                 last: Tensor | None = None) -> Tensor:
         """Logits after the token at index `last` of each row (default: the last position)."""
         h = self.inner.embed_tokens(ids)
         cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
@@ -154,7 +155,8 @@ class LlamaDecoder:
         return self.model.lm_head(_rms_norm(self.inner.norm, h))
 
     def _attention(self, attn: torch.nn.Module, x: Tensor, cos: Tensor, sin: Tensor, layer: int,
-                   mask: Tensor) -> Tensor:
+                   mask: Tensor | None) -> Tensor:
+        """`mask` None: plain causal attention over the new positions only (a right-padded prefill)."""
         b, s, _ = x.shape
         q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(b, s, self.n_heads, self.head_dim)
         k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(b, s, self.n_kv, self.head_dim)
@@ -163,13 +165,14 @@ class LlamaDecoder:
             q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
         q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
         keys, values = self._store(layer, k, v.transpose(1, 2))
-        if s == 1:  # decode: grouped-query attention as two small matmuls (faster than SDPA on CPU)
+        if mask is not None and s == 1:  # decode: grouped-query attention as two small matmuls (faster
+            # than SDPA on CPU)
             qg = q.reshape(b, self.n_kv, self.n_heads // self.n_kv, self.head_dim)
             scores = (qg @ keys.transpose(-1, -2)) * attn.scaling + mask
             out = (scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ values).reshape(b, 1, -1)
         else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
-                                                 enable_gqa=self.n_kv != self.n_heads)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                 scale=attn.scaling, enable_gqa=self.n_kv != self.n_heads)
             out = out.transpose(1, 2).reshape(b, s, -1)
         return F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
 

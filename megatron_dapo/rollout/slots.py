@@ -95,12 +95,12 @@ class SlotDecoder(LlamaDecoder):
         ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
         for i, p in enumerate(prompts):  # right-padded: every query sees at least its own prompt
             ids[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
-        valid = torch.arange(width, device=device)[None] < lengths[:, None]
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         pos = torch.arange(width, device=device).expand(len(prompts), width)
         self._prefill_kv = []
         try:
-            logits = self._forward(ids, pos, (causal & valid[:, None, :])[:, None], last=lengths - 1)
+            # Plain causal attention: a real position only sees real ones before it (the padding is at the
+            # end); what the padding positions compute is never read (their KV lies beyond the row's length).
+            logits = self._forward(ids, pos, None, last=lengths - 1)
             src = torch.repeat_interleave(torch.arange(len(prompts), device=device),
                                           torch.as_tensor(list(copies), device=device))
             dest = torch.arange(self.rows, self.rows + src.numel(), device=device)
