@@ -242,8 +242,8 @@ def main(args: argparse.Namespace) -> list[dict]:
                 for case in workloads(args):
                     lengths = length_percentiles(engine, case)  # (also warms the engine up)
                     if not args.json:
-                        print(f"{name}, {case.workload} {case.ramble_frac or ''}".rstrip() + f": response lengths {lengths} "
-                              f"(max_new_tokens {case.max_new_tokens})")
+                        what = f"{case.workload} {case.ramble_frac or ''}".rstrip()
+                        print(f"{name}, {what}: lengths {lengths} (max_new_tokens {case.max_new_tokens})")
                     rows += compare(name, engine, case)
             finally:
                 engine.shutdown()
