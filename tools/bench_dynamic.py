@@ -175,21 +175,20 @@ MODES: dict[str, Callable] = {"rounds": rounds, "streaming": lambda *a, carry: s
 
 def compare(engine_name: str, engine: RolloutEngine, args: argparse.Namespace) -> list[dict]:
     algo = AlgoConfig(group_size=args.group_size, gen_batch_multiplier=args.gen_batch_multiplier)
-    modes = list(MODES)
-    carries: dict[str, list] = {m: [] for m in modes}
+    carries: dict[str, list] = {m: [] for m in MODES}
     totals = {m: {"kept": 0, "wall": 0.0, "tokens": 0, "wasted": 0, "passes": 0, "prefill": 0, "lens": [],
-                  "cut": []} for m in modes}
+                  "cut": []} for m in MODES}
     counter = ForwardCounter(engine)
     for step in range(args.steps):
-        order = modes if step % 2 == 0 else modes[::-1]
-        for mode in order:
+        for mode in list(MODES)[:: 1 if step % 2 == 0 else -1]:
+            if hasattr(engine, "call"):  # SGLang: as a step's weight update does, drop the radix cache
+                engine.call("POST", "/flush_cache", None, timeout=600)
             t0, p0, f0 = time.perf_counter(), counter.passes(), counter.prefill_tokens()
             with counter.counting():
                 prompts = prompt_stream(1000 + step, args)
                 kept, (tokens, wasted) = MODES[mode](engine, prompts, algo, args, step, carry=carries[mode])
             t = totals[mode]
-            t["wall"] += time.perf_counter() - t0
-            t["passes"] += counter.passes() - p0
+            t["wall"], t["passes"] = t["wall"] + time.perf_counter() - t0, t["passes"] + counter.passes() - p0
             t["prefill"] += counter.prefill_tokens() - f0
             t["kept"], t["tokens"] = t["kept"] + len(kept), t["tokens"] + tokens
             t["wasted"] += wasted
