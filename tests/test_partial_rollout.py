@@ -312,6 +312,31 @@ def test_sglang_stream_hands_back_aborted_responses_and_continues_them():
         assert s.rollout_logprobs == pytest.approx([-t / 1000 for t in s.response_ids])
 
 
+@pytest.mark.parametrize("sampling, reason", [
+    (SamplingParams(max_new_tokens=4, seed=1), "length"),  # every token it may have
+    (SamplingParams(max_new_tokens=10, stop_token_ids=(106,), seed=1), "stop"),  # its last token stops it
+])
+def test_an_abort_that_meets_a_finished_request_reports_it_finished(sampling, reason):
+    """The real server answered an aborted call with finish_reason "abort" and all 256 of 256 tokens; resuming
+    such a sample was refused (check_resume). It is finished: it goes back as it is and nothing is sent."""
+    from megatron_dapo.rollout.sglang.stream import SGLangStream
+
+    req = GroupRequest(key=0, prompt_ids=[5, 6, 7], n=2, sampling=sampling)
+    first = SGLangStream(ScriptedServer(cut=4))
+    first.submit([req])
+    deadline = time.monotonic() + 60
+    while not first._ready and time.monotonic() < deadline:
+        time.sleep(0.01)
+    report = first.abort()
+    first.close()
+    assert [s.finish_reason for s in report.partial[0]] == [reason] * 2
+    assert [s.response_ids for s in report.partial[0]] == [[103, 104, 105, 106]] * 2
+    server = ScriptedServer(cut=None)
+    with SGLangStream(server) as stream:
+        stream.submit([dataclasses.replace(req, resume=tuple(report.partial[0]))])
+        assert stream.next().samples == report.partial[0] and server.bodies == []
+
+
 def test_sglang_resumes_only_the_unfinished_samples():
     from megatron_dapo.rollout.sglang.stream import SGLangStream
 

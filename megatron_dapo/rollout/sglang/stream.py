@@ -37,6 +37,7 @@ from megatron_dapo.rollout.base import (
     GroupRequest,
     GroupResult,
     RolloutStream,
+    SamplingParams,
 )
 from megatron_dapo.rollout.sglang.server import SGLangServer
 from megatron_dapo.rollout.sglang.wire import (
@@ -190,10 +191,21 @@ class SGLangStream(RolloutStream):
             new = [cut_at_stop(s, cut_at) for s in new]
         samples = list(r.resume) or [None] * r.n
         for k, s in zip(todo, new):
-            samples[k] = _joined(r.resume[k], s) if r.resume else s
+            samples[k] = _settled(_joined(r.resume[k], s) if r.resume else s, r.sampling)
         if any(s.finish_reason == "abort" for s in samples):
             return _Cancelled(generated_tokens(payload), samples)
         return GroupResult(key=r.key, samples=samples)
+
+
+def _settled(sample: Sample, sampling: SamplingParams) -> Sample:
+    """An answer marked "abort" that reached max_new_tokens or ends in a stop token is finished: an abort
+    that meets a request in its last step can come back as "abort" with every token."""
+    if sample.finish_reason == "abort":
+        if sample.response_ids and sample.response_ids[-1] in sampling.stop_token_ids:
+            sample.finish_reason = "stop"
+        elif sample.response_len >= sampling.max_new_tokens:
+            sample.finish_reason = "length"
+    return sample
 
 
 def _joined(before: Sample, after: Sample) -> Sample:
