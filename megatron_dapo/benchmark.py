@@ -94,24 +94,21 @@ def run_case(args: list[str], *, timeout: float, label: str, env: dict[str, str]
 
 
 class ForwardCounter:
-    """Model forward passes and prefill positions: the embedded engine's decoder calls (a prefill's positions
-    include its padding), or the batches an SGLang server logged (its #new-token: radix-cache hits excluded)."""
+    """Model forward passes and prefill positions: the embedded engine's decoder calls (a prefill's
+    positions include its padding), or the batches an SGLang server logged (its #new-token: radix-cache
+    hits excluded)."""
 
     def __init__(self, engine: Any) -> None:
         self.log = getattr(engine, "log_path", None)
         self.calls = self.prefilled = 0
 
-    def passes(self) -> int:
+    def counts(self) -> tuple[int, int]:
+        """(forward passes, prefill positions) so far; an SGLang log is read once for both."""
         if self.log is None:
-            return self.calls
+            return self.calls, self.prefilled
         text = Path(self.log).read_text(errors="replace")
-        return text.count("Decode batch") + text.count("Prefill batch")
-
-    def prefill_tokens(self) -> int:
-        if self.log is None:
-            return self.prefilled
-        text = Path(self.log).read_text(errors="replace")
-        return sum(int(n) for n in re.findall(r"Prefill batch[^\n]*?#new-token: (\d+)", text))
+        prefilled = sum(int(n) for n in re.findall(r"Prefill batch[^\n]*?#new-token: (\d+)", text))
+        return text.count("Decode batch") + text.count("Prefill batch"), prefilled
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:

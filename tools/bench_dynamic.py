@@ -173,7 +173,7 @@ MODES: dict[str, Callable] = {"rounds": rounds, "streaming": lambda *a, carry: s
                               "partial": streaming}
 
 
-def compare(engine_name: str, engine: RolloutEngine, args: argparse.Namespace) -> list[dict]:
+def compare(engine_name: str, engine: RolloutEngine, weights: list, args: argparse.Namespace) -> list[dict]:
     algo = AlgoConfig(group_size=args.group_size, gen_batch_multiplier=args.gen_batch_multiplier)
     carries: dict[str, list] = {m: [] for m in MODES}
     totals = {m: {"kept": 0, "wall": 0.0, "tokens": 0, "wasted": 0, "passes": 0, "prefill": 0, "lens": [],
@@ -181,15 +181,14 @@ def compare(engine_name: str, engine: RolloutEngine, args: argparse.Namespace) -
     counter = ForwardCounter(engine)
     for step in range(args.steps):
         for mode in list(MODES)[:: 1 if step % 2 == 0 else -1]:
-            if hasattr(engine, "call"):  # SGLang: as a step's weight update does, drop the radix cache
-                engine.call("POST", "/flush_cache", None, timeout=600)
-            t0, p0, f0 = time.perf_counter(), counter.passes(), counter.prefill_tokens()
+            engine.update_weights(weights)  # as a training step does (SGLang: its radix cache is flushed)
+            (p0, f0), t0 = counter.counts(), time.perf_counter()
             with counter.counting():
                 prompts = prompt_stream(1000 + step, args)
                 kept, (tokens, wasted) = MODES[mode](engine, prompts, algo, args, step, carry=carries[mode])
-            t = totals[mode]
-            t["wall"], t["passes"] = t["wall"] + time.perf_counter() - t0, t["passes"] + counter.passes() - p0
-            t["prefill"] += counter.prefill_tokens() - f0
+            wall, (p1, f1), t = time.perf_counter() - t0, counter.counts(), totals[mode]
+            t["wall"] += wall
+            t["passes"], t["prefill"] = t["passes"] + p1 - p0, t["prefill"] + f1 - f0
             t["kept"], t["tokens"] = t["kept"] + len(kept), t["tokens"] + tokens
             t["wasted"] += wasted
             t["lens"] += [s.response_len for g in kept for s in g.samples]
@@ -243,7 +242,7 @@ def main(args: argparse.Namespace) -> list[dict]:
                     if not args.json:
                         what = f"{case.workload} {case.ramble_frac or ''}".rstrip()
                         print(f"{name}, {what}: lengths {lengths} (max_new_tokens {case.max_new_tokens})")
-                    rows += compare(name, engine, case)
+                    rows += compare(name, engine, list(model.named_parameters()), case)
             finally:
                 engine.shutdown()
     return rows
