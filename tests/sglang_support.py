@@ -19,9 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def server_ports(n: int = 1) -> int:
-    """A port P with P .. P+n-1 free, below the kernel's ephemeral range: SGLang servers bind some
-    internal ports the OS hands out from that range, and one of them must not land on a neighbour's
-    HTTP port before that neighbour binds it (it happened: the server then never became healthy)."""
+    """A port P with P .. P+n-1 free, below the kernel's ephemeral range and outside 22000-29999, where
+    SGLang picks each server's torch.distributed port. Either of those, landing on an HTTP port before
+    its server binds it, took it: one server never became healthy, another failed with EADDRINUSE."""
     import random
     import socket
 
@@ -29,9 +29,10 @@ def server_ports(n: int = 1) -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
+    candidates = [*range(20000, 22000 - n + 1), *range(30000, low - n + 1)]
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(20000, max(low - n, 20001))
+        port = rng.choice(candidates)
         socks = []
         try:
             for k in range(n):
@@ -44,7 +45,8 @@ def server_ports(n: int = 1) -> int:
             for s in socks:
                 s.close()
         return port
-    raise RuntimeError(f"no {n} consecutive free ports below {low}")
+    raise RuntimeError(f"no {n} consecutive free ports in 20000-21999 or 30000-{low - 1}")
+
 
 FAKE_SERVER = textwrap.dedent("""
     import argparse, http.server, os, sys, time

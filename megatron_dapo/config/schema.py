@@ -110,7 +110,8 @@ class SGLangConfig:
     CPU). Server k uses GPUs k*TP .. k*TP+TP-1; prompts are split evenly over all servers of the job,
     weight updates go to every one."""
     base_port: int = 30000
-    """First port; server k listens on base_port + k, bound to 127.0.0.1."""
+    """First port; server k listens on base_port + k, bound to 127.0.0.1. Keep the ports outside 22000-29999:
+    SGLang draws each server's torch.distributed port there, and one may take a port a server binds later."""
     startup_timeout_s: float = 600.0
     """Fail (naming the server log) if /health does not answer within this time."""
     request_timeout_s: float = 3600.0

@@ -160,7 +160,7 @@ class SGLangServer:
         if max_total_tokens is not None:
             cmd += ["--max-total-tokens", str(max_total_tokens)]
         if self.api_key:
-            cmd += ["--api-key", self.api_key]
+            cmd.append(f"--api-key={self.api_key}")  # one token: a key may begin with "-"
         return cmd + user
 
     def _server_env(self) -> dict[str, str]:
@@ -178,7 +178,7 @@ class SGLangServer:
         # the log shows the server's arguments: readable by its owner only when they hold a key
         with os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if self.api_key else 0o644),
                        "wb") as log:
-            shown = [("<api key>" if self.api_key and a == self.api_key else a) for a in self._cmd]
+            shown = [("--api-key=<api key>" if a.startswith("--api-key=") else a) for a in self._cmd]
             log.write(("$ " + shlex.join(shown) + "\n").encode())
             log.flush()
             self._proc = subprocess.Popen(
