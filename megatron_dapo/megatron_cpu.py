@@ -51,7 +51,7 @@ class CudaToCpuMode(TorchFunctionMode):
             return func(*args).replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs:
             kwargs["device"] = _to_cpu_device(kwargs["device"])
-        if func is torch.Tensor.to or func is torch.Tensor.new_empty:
+        if func is torch.Tensor.to:  # (new_empty's positional arguments are sizes: its device is a keyword)
             args = tuple(_to_cpu_device(a) if i > 0 else a for i, a in enumerate(args))
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False

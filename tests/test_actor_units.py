@@ -102,6 +102,8 @@ assert torch.ones(1, device=torch.cuda.current_device()).device.type == "cpu"
 assert torch.ones(2).cuda().device.type == "cpu"
 assert torch.ones(2).to("cuda:0").device.type == "cpu"
 assert torch.ones(2).type() == "torch.cuda.FloatTensor"
+assert torch.ones(2).new_empty(3, 4).shape == (3, 4)  # sizes, not CUDA ordinals
+assert torch.ones(2).new_empty((3,), device="cuda").device.type == "cpu"
 torch.cuda.synchronize()
 print("ok")
 """

@@ -127,6 +127,49 @@ def test_a_group_does_not_depend_on_its_batch(model):
     assert [s.response_ids for s in other[0]] != [s.response_ids for s in together[0]]
 
 
+def test_length_buckets_keep_the_padding_under_the_real_positions():
+    from megatron_dapo.rollout.slots import length_buckets
+
+    lengths = [20, 280, 25, 150, 141, 12]
+    buckets = length_buckets(lengths)
+    assert buckets == [[1, 3, 4], [2, 0], [5]]  # 280, 150, 141 | 25, 20 | 12 (12 is not over 25 / 2)
+    for b in buckets:
+        width = max(lengths[i] for i in b)
+        assert len(b) * width - sum(lengths[i] for i in b) < sum(lengths[i] for i in b)
+    assert length_buckets([7, 7, 4]) == [[0, 1, 2]] and length_buckets([5]) == [[0]]
+
+
+def test_an_admission_of_mixed_lengths_prefills_by_length(model, monkeypatch):
+    """A 40-token row (a carried response) and short prompts prefill apart, not as 40-wide rows; every new
+    row's logits, before and after one decode step, are those of a plain forward over that row alone."""
+    from megatron_dapo.rollout.decoders import LlamaDecoder
+    from megatron_dapo.rollout.slots import SlotDecoder
+
+    widths = []
+    real_forward = LlamaDecoder._forward
+
+    def forward(self, ids, *a, **k):
+        widths.append(tuple(ids.shape))
+        return real_forward(self, ids, *a, **k)
+
+    monkeypatch.setattr(LlamaDecoder, "_forward", forward)
+    prompts = [[3, 1, 4], list(range(1, 41)), [7, 8]]
+    rows = [prompts[0], prompts[1], prompts[1], prompts[2]]  # copies 1, 2, 1: prompt-major
+    decoder = SlotDecoder(model, budget_tokens=8 * 64)
+    decoder.reserve(48, 6)
+    with torch.no_grad():
+        decoder.admit([[5, 6]], [1])  # a running row first: the new rows go after it
+        first = decoder.admit(prompts, [1, 2, 1])
+        nxt = torch.tensor([9, 11, 12, 13])
+        after = decoder.step(torch.cat([torch.tensor([2]), nxt]))[1:]
+        ref = torch.stack([model(torch.tensor([r])).logits[0, -1] for r in rows])
+        ref_after = torch.stack([model(torch.tensor([r + [t]])).logits[0, -1]
+                                 for r, t in zip(rows, nxt.tolist())])
+    assert widths[1:3] == [(1, 40), (2, 3)]
+    assert decoder.rows == 5 and decoder.lens[:5].tolist() == [3, 4, 41, 41, 3]
+    assert torch.allclose(first, ref, atol=1e-5) and torch.allclose(after, ref_after, atol=1e-5)
+
+
 def test_the_next_stream_reuses_the_kv_memory(model):
     engine = EmbeddedEngine(model)
     first = run(engine, requests())

@@ -16,6 +16,7 @@ The KV budget is in tokens: slots x L <= budget, L = the longest prompt + max_ne
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -24,6 +25,20 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from megatron_dapo.rollout.decoders import HFDecoder, LlamaDecoder
+
+
+def length_buckets(lengths: Sequence[int]) -> list[list[int]]:
+    """Indices of `lengths` in prefill batches, longest first: a batch ends where a length falls to half
+    its longest, so padding stays under the batch's real positions (a carried response of 280 tokens
+    and fresh prompts of 20 prefill apart, not as 280-wide rows)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    for i in order:
+        if buckets and 2 * lengths[i] > lengths[buckets[-1][0]]:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    return buckets
 
 
 class RowDecoder(Protocol):
@@ -88,10 +103,28 @@ class SlotDecoder(LlamaDecoder):
 
     def admit(self, prompts: Sequence[Sequence[int]], copies: Sequence[int]) -> Tensor:
         device = self.cos.device
+        lengths = [len(p) for p in prompts]
+        if max(lengths) > self.max_len:
+            raise ValueError(f"a prompt of {max(lengths)} tokens does not fit slots of {self.max_len}: "
+                             "reserve()")
+        if sum(copies) > self.free:
+            raise ValueError(f"admit: {sum(copies)} rows, only {self.free} slots free")
+        first = [0, *itertools.accumulate(copies)]  # prompt i's new rows: first[i] .. first[i + 1] - 1
+        logits: Tensor | None = None
+        for chunk in length_buckets(lengths):
+            at = torch.tensor([r for i in chunk for r in range(first[i], first[i + 1])], device=device)
+            out = self._prefill([prompts[i] for i in chunk], [copies[i] for i in chunk], at)
+            logits = out.new_empty((first[-1], out.shape[-1])) if logits is None else logits
+            logits[at] = out
+        self.rows += first[-1]
+        return logits
+
+    def _prefill(self, prompts: list[Sequence[int]], copies: list[int], at: Tensor) -> Tensor:
+        """Prefill `prompts` as one right-padded batch into rows self.rows + at (prompt-major copies);
+        returns those rows' next-token logits."""
+        device = self.cos.device
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         width = int(lengths.max())
-        if width > self.max_len:
-            raise ValueError(f"a prompt of {width} tokens does not fit slots of {self.max_len}: reserve()")
         ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
         for i, p in enumerate(prompts):  # right-padded: every query sees at least its own prompt
             ids[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
@@ -101,18 +134,15 @@ class SlotDecoder(LlamaDecoder):
             # Plain causal attention: a real position only sees real ones before it (the padding is at the
             # end); what the padding positions compute is never read (their KV lies beyond the row's length).
             logits = self._forward(ids, pos, None, last=lengths - 1)
-            src = torch.repeat_interleave(torch.arange(len(prompts), device=device),
-                                          torch.as_tensor(list(copies), device=device))
-            dest = torch.arange(self.rows, self.rows + src.numel(), device=device)
-            if dest.numel() > self.slots - self.rows:
-                raise ValueError(f"admit: {dest.numel()} rows, only {self.free} slots free")
+            src = torch.arange(len(prompts), device=device).repeat_interleave(
+                torch.tensor(copies, device=device))
+            dest = self.rows + at
             for layer, (k, v) in enumerate(self._prefill_kv):
                 self.keys[layer][dest, :, :width] = k[src]
                 self.values[layer][dest, :, :width] = v[src]
         finally:
             self._prefill_kv = None
         self.lens[dest] = lengths[src]
-        self.rows += src.numel()
         return logits[src]
 
     def step(self, tokens: Tensor) -> Tensor:
