@@ -110,14 +110,13 @@ class SlotDecoder(LlamaDecoder):
         if sum(copies) > self.free:
             raise ValueError(f"admit: {sum(copies)} rows, only {self.free} slots free")
         first = [0, *itertools.accumulate(copies)]  # prompt i's new rows: first[i] .. first[i + 1] - 1
-        logits: Tensor | None = None
+        rows, logits = [], []
         for chunk in length_buckets(lengths):
-            at = torch.tensor([r for i in chunk for r in range(first[i], first[i + 1])], device=device)
-            out = self._prefill([prompts[i] for i in chunk], [copies[i] for i in chunk], at)
-            logits = out.new_empty((first[-1], out.shape[-1])) if logits is None else logits
-            logits[at] = out
+            rows.append(torch.tensor([r for i in chunk for r in range(first[i], first[i + 1])],
+                                     device=device))
+            logits.append(self._prefill([prompts[i] for i in chunk], [copies[i] for i in chunk], rows[-1]))
         self.rows += first[-1]
-        return logits
+        return torch.cat(logits)[torch.cat(rows).argsort()]
 
     def _prefill(self, prompts: list[Sequence[int]], copies: list[int], at: Tensor) -> Tensor:
         """Prefill `prompts` as one right-padded batch into rows self.rows + at (prompt-major copies);
