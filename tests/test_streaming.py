@@ -285,6 +285,46 @@ def test_engine_group_streams_by_load_and_keeps_each_group(model):
     assert sorted(owners.values()) == [0, 0, 0, 1, 1, 1]  # spread by pending groups
 
 
+def endless() -> list[GroupRequest]:
+    return [GroupRequest(key=g, prompt_ids=p, n=3, sampling=SamplingParams(
+        max_new_tokens=100000, ignore_eos=True, seed=g)) for g, p in enumerate(PROMPTS)]
+
+
+@pytest.mark.timeout(120)  # a regression hangs in abort()
+def test_a_nested_group_aborts_and_streams_on(model):
+    """A group inside a group (rank 0 drives its own server and an attached node group): the outer
+    group's thread for the inner one waits in the inner next(). abort() must end that wait with
+    GenerationAborted (it used to wait forever, and so did abort()), and the streams go on."""
+    reqs = requests(max_new=20)
+    one = run(EmbeddedEngine(model), reqs)
+    small = [EmbeddedEngine(tiny_model("qwen2", seed=0, **SMALL)) for _ in range(3)]
+    with EngineGroup([small[0], EngineGroup(small[1:], names=["b", "c"])], names=["a", "bc"],
+                     weights=[1, 2]) as group:
+        with group.stream() as stream:
+            stream.submit(endless())  # nothing finishes before the abort
+            time.sleep(0.5)
+            reports = []
+            aborter = threading.Thread(target=lambda: reports.append(stream.abort()), daemon=True)
+            aborter.start()
+            aborter.join(60)
+            assert not aborter.is_alive(), "abort() hangs on the nested group"
+            assert reports[0].keys == list(range(len(PROMPTS))) and reports[0].tokens > 0
+            assert sorted(reports[0].partial) == reports[0].keys
+            stream.submit(reqs)
+            assert_same(one, drain(stream))
+        inner = group.engines[1].stream()
+        inner.submit(endless()[:2])
+        errors = []
+        waiter = threading.Thread(target=lambda: errors.append(pytest.raises(GenerationAborted, inner.next)),
+                                  daemon=True)
+        waiter.start()
+        time.sleep(0.5)
+        assert inner.abort().keys == [0, 1]
+        waiter.join(30)
+        assert not waiter.is_alive() and len(errors) == 1
+        inner.close()
+
+
 class FailingStream(RolloutStream):
     """Delivers `good` groups (of two 2-token samples), then fails."""
 

@@ -6,7 +6,9 @@ per engine waits on that engine's stream and forwards its finished groups, so `n
 whichever engine finishes first. A group's samples depend on its request only, not on the engine it
 lands on (per-group seeds). An engine's failure is raised by `next()` as `EngineGroupFailure`, naming
 the engine, once the groups that finished before it are delivered; that engine receives no more
-groups, and `abort()` still cancels everywhere (and logs a failure that next() never raised).
+groups, and `abort()` still cancels everywhere (and logs a failure that next() never raised). A `next()`
+waiting in another thread when `abort()` runs raises GenerationAborted: so a group nested in another
+(rank 0's server beside an attached node group) lets the outer group's abort finish.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class GroupStream(RolloutStream):
         self._errors: list[tuple[int, BaseException]] = []  # engine failures next() has yet to raise
         self._ready: dict[int, GroupResult] = {}  # finished groups, in arrival order
         self._aborting = self._closed = False
+        self._epoch = 0  # abort() counts up: a next() waiting across an abort raises GenerationAborted
         self._threads = [threading.Thread(target=self._pump, args=(k,), daemon=True, name=f"group-stream-{k}")
                          for k in range(len(self._streams))]
         for t in self._threads:
@@ -77,8 +80,11 @@ class GroupStream(RolloutStream):
         with self._cond:
             if not self._owner:
                 raise EngineStateError("engine group stream: no group is pending")
-            while not self._ready and not self._errors:
+            epoch = self._epoch
+            while not self._ready and not self._errors and self._epoch == epoch:
                 self._cond.wait()
+            if self._epoch != epoch:  # e.g. this group nested in another whose abort() reached us
+                raise GenerationAborted("engine group stream: aborted")
             if self._ready:  # groups finished before a failure are delivered first
                 key = next(iter(self._ready))
                 del self._owner[key]
@@ -106,6 +112,8 @@ class GroupStream(RolloutStream):
             self._ready, self._errors, self._owner = {}, [], {}
             self._owed = [0] * len(self._streams)
             self._aborting = False
+            self._epoch += 1
+            self._cond.notify_all()
         return AbortReport(keys=keys, tokens=tokens, partial=partial)
 
     def close(self) -> None:
@@ -144,7 +152,10 @@ class GroupStream(RolloutStream):
                 if isinstance(item, GroupResult):
                     self._owed[k] -= 1
                     self._ready[item.key] = item
-                elif not (self._aborting and isinstance(item, GenerationAborted)):
+                elif self._aborting:  # cut short, or it found its groups already cancelled: no failure
+                    if not isinstance(item, (GenerationAborted, EngineStateError)):
+                        log.warning("rollout engine %s failed during an abort: %s", self._names[k], item)
+                else:
                     self._failed.add(k)
                     self._errors.append((k, item))
                 self._cond.notify_all()
