@@ -36,6 +36,13 @@ def test_defaults_follow_the_paper_to_the_letter():
     assert (a.rollout_correction_threshold, a.rollout_correction_threshold_low) == (2.0, None)
 
 
+def test_rollout_streams_by_default_and_the_study_pins_the_rounds():
+    r = Config().rollout
+    assert r.streaming and not r.partial_rollout  # issue 16: on once it won the benchmark; partial opt-in
+    study = load_config(next(p for p in CONFIGS if p.name == "study_dapo_small.yaml"))
+    assert not study.rollout.streaming  # the DAPO study runs the paper's Algorithm 1
+
+
 def test_dapo14_options_parse():
     cfg = load_config(None, ["algo.clip_ratio_c=10", "algo.filter_metric=score",
                              "reward.answer_fallback=boxed", "algo.rollout_correction=seq_mis",

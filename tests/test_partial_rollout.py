@@ -248,10 +248,10 @@ def test_a_checkpoint_from_before_carried_steps_loads_as_never_carried(engine):
 
 def test_partial_rollout_needs_streaming():
     with pytest.raises(ConfigError, match="rollout.partial_rollout needs rollout.streaming=true"):
-        validate(load_config(None, ["rollout.partial_rollout=true"]))
+        validate(load_config(None, ["rollout.partial_rollout=true", "rollout.streaming=false"]))
     for engine in ("embedded", "sglang"):
-        validate(load_config(None, ["rollout.partial_rollout=true", "rollout.streaming=true",
-                                    f"rollout.engine={engine}"]))
+        # rollout.streaming is true by default
+        validate(load_config(None, ["rollout.partial_rollout=true", f"rollout.engine={engine}"]))
 
 
 # ------------------------------------------------------------------ SGLang's side, on a scripted server

@@ -23,7 +23,7 @@ from megatron_dapo.loop.stream import (
 )
 from megatron_dapo.reward.scorer import Scorer
 from megatron_dapo.rollout import EmbeddedEngine, SamplingParams
-from megatron_dapo.rollout.base import GroupRequest
+from megatron_dapo.rollout.base import AbortReport, GroupRequest, GroupResult
 from megatron_dapo.tiny import tiny_model
 from megatron_dapo.types import Group, Prompt, Sample
 
@@ -143,6 +143,55 @@ def test_an_engine_failure_keeps_what_was_kept(model):
     assert f"after keeping {len(partial.groups)}/30 groups" in str(err.value)
     assert partial.groups and partial.groups == partial.generated  # all informative: every finished group kept
     assert partial.stream.aborted_groups == partial.stream.submitted - len(partial.generated)
+
+
+class ScriptedEngine:
+    """A stream that finishes groups in key order (two 3-token samples each) and, on abort, reports each
+    pending group's samples so far from `so_far` (lengths; 0 = not started)."""
+
+    def __init__(self, so_far=None):
+        self.so_far, self.keys = so_far, []
+
+    def stream(self):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    @property
+    def pending(self):
+        return len(self.keys)
+
+    def submit(self, requests):
+        self.keys += [r.key for r in requests]
+
+    def next(self):
+        return GroupResult(key=self.keys.pop(0), samples=[sample(3, "stop") for _ in range(2)])
+
+    def abort(self):
+        keys, self.keys = sorted(self.keys), []
+        partial = {k: [sample(n, "abort") for n in self.so_far[k]] for k in keys} if self.so_far else {}
+        return AbortReport(keys=keys, tokens=sum(sum(self.so_far[k]) for k in keys) if self.so_far else 0,
+                           partial=partial)
+
+
+def sample(length, reason):
+    return Sample(prompt_ids=[1], response_ids=[5] * length, rollout_logprobs=[0.0] * length,
+                  finish_reason=reason)
+
+
+def test_the_aborted_started_samples_mean_length_is_a_monitor():
+    every = source(informative=lambda g: True)
+    out = stream_groups(ScriptedEngine({2: [10, 0], 3: [6, 4]}), every, score, plan(target_groups=2))
+    assert len(out.groups) == 2 and out.stream.aborted_groups == 2 and out.stream.wasted_tokens == 20
+    assert out.stream.aborted_response_len == 20 / 3  # 10, 6 and 4: the sample not started is left out
+    assert rollout_cost_scalars(out, AlgoConfig())["rollout/aborted_response_len"] == 20 / 3
+    blind = stream_groups(ScriptedEngine(), every, score, plan(target_groups=2))  # no samples reported
+    assert math.isnan(blind.stream.aborted_response_len)
+    assert "rollout/aborted_response_len" not in rollout_cost_scalars(blind, AlgoConfig())
 
 
 def test_rounds_monitors_count_the_trimmed_surplus():

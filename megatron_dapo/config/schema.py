@@ -138,10 +138,12 @@ class RolloutConfig:
     """Nucleus sampling for training rollouts (paper: 1.0)."""
     weight_sync_bucket_mb: int = 512
     """Size of one weight-sync bucket in MiB (actor -> rollout)."""
-    streaming: bool = False
+    streaming: bool = True
     """Streaming rollout (loop/stream.py): groups are scored as each finishes, the stream is kept topped
     up (algo.gen_batch_multiplier x missing / kept fraction in flight), and the step stops at N informative
-    groups, aborting the rest. false = synchronous rounds (loop/collect.py)."""
+    groups, aborting the rest. It keeps the groups that finish first, so its responses run shorter than
+    the rounds' when lengths have a long tail (partial_rollout continues the aborted ones instead).
+    false = the paper's Algorithm 1 exactly: synchronous rounds (loop/collect.py)."""
     max_inflight_groups: int = 0
     """Streaming: at most this many groups submitted and unfinished (0 = 2 x ceil(N x
     gen_batch_multiplier))."""

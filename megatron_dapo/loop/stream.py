@@ -110,6 +110,9 @@ class StreamStats:
     """Aborted groups not carried on: they had been carried max_carry_steps times already."""
     first_kept_s: float = math.nan
     """Seconds from the step's start to its first kept group."""
+    aborted_response_len: float = math.nan
+    """Mean length so far of the aborted groups' started samples (each would have run at least this long):
+    set beside response_length/mean, how far the stream favours the responses that finish early."""
 
 
 Carry = list[tuple[Prompt, GroupRequest]]
@@ -225,6 +228,8 @@ def _finish(out: StreamRollout, report: AbortReport, informative: int, plan: Str
     out.stream.carried_groups = len(out.carry)
     out.stream.carried_tokens = sum(r.resumed_tokens for _, r in out.carry)
     out.stream.wasted_tokens = wasted
+    started = [x.response_len for k in report.keys for x in report.partial.get(k, ()) if x.response_len]
+    out.stream.aborted_response_len = sum(started) / len(started) if started else math.nan
     out.stream.generated_tokens += report.tokens
     seen = len(out.generated)
     exhausted = plan.dynamic_sampling and len(out.groups) < plan.target_groups
@@ -242,8 +247,9 @@ def _finish(out: StreamRollout, report: AbortReport, informative: int, plan: Str
 
 def rollout_cost_scalars(rollout: StepRollout, algo: AlgoConfig) -> dict[str, float]:
     """rollout/{aborted_groups,wasted_tokens,generated_tokens} in both modes, plus rollout/first_kept_s when
-    streaming kept a group. Rounds waste the groups generated and trimmed beyond N (informative ones, or
-    any with dynamic sampling off); streaming wastes what it aborted."""
+    streaming kept a group and rollout/aborted_response_len when it aborted started samples. Rounds waste
+    the groups generated and trimmed beyond N (informative ones, or any with dynamic sampling off);
+    streaming wastes what it aborted."""
     if isinstance(rollout, StreamRollout):
         s = rollout.stream
         out = {"rollout/aborted_groups": float(s.aborted_groups),
@@ -254,6 +260,8 @@ def rollout_cost_scalars(rollout: StepRollout, algo: AlgoConfig) -> dict[str, fl
                         "rollout/carried_groups": float(s.carried_groups),
                         "rollout/carried_tokens": float(s.carried_tokens),
                         "rollout/dropped_stale_groups": float(s.dropped_stale_groups)})
+        if not math.isnan(s.aborted_response_len):
+            out["rollout/aborted_response_len"] = s.aborted_response_len
         return out if math.isnan(s.first_kept_s) else {**out, "rollout/first_kept_s": s.first_kept_s}
     kept = {id(g) for g in rollout.groups}
     surplus = [g for g in rollout.generated if id(g) not in kept
