@@ -67,6 +67,13 @@ def test_contrasts_differ_in_exactly_their_switch(name):
     assert len(study.contrasts) == (2 if name == "dapo-small" else 0)
 
 
+@pytest.mark.parametrize("name", sorted(STUDIES))
+def test_every_study_run_generates_in_rounds(name):
+    """Equal budgets count finished responses; a stream's aborted ones are not counted."""
+    study = STUDIES[name]()
+    assert all(_resolved(study, v)["rollout.streaming"] is False for v in study.variants)
+
+
 def test_plan_gives_every_run_the_budget_and_its_seed():
     study = STUDIES["dapo-small"]()
     runs = plan(study, ("eval.every_steps=2",))

@@ -278,7 +278,9 @@ class TrainConfig:
     deterministic: bool = False
     """Deterministic algorithms (slower); required for exact resume comparisons."""
     rollout_budget: int = 0
-    """Stop once this many responses have been generated (0 = no limit): equal-budget ablations."""
+    """Stop once this many responses have been generated (0 = no limit): equal-budget ablations. It counts
+    finished responses: with streaming, the aborted ones are not counted (rollout/wasted_tokens shows
+    their cost), so compare budgets between runs of one rollout mode."""
 
 
 @dataclass(kw_only=True)
