@@ -10,45 +10,14 @@ into the engine, which buckets them for its transport -- then on to generate).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron_dapo.actor.actor import Actor
-from megatron_dapo.actor.hf_io import hf_weight_stream
-from megatron_dapo.actor.model import ModelSpec
 from megatron_dapo.loop.phase_model import ENGINE_STATE, Phase, phase_model
+from megatron_dapo.loop.weight_sync import SyncStats, sync_weights
 from megatron_dapo.rollout.base import RolloutEngine
-
-
-@dataclass
-class SyncStats:
-    tensors: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-
-
-def sync_weights(module: torch.nn.Module, spec: ModelSpec, engine: RolloutEngine | None,
-                 dtype: torch.dtype = torch.float32) -> SyncStats:
-    """Collective over all ranks; the driver (the rank that holds `engine`) feeds the engine."""
-    stats = SyncStats()
-    t0 = time.perf_counter()
-
-    def counted() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in hf_weight_stream(module, spec, dtype):
-            stats.tensors += 1
-            stats.bytes += t.numel() * t.element_size()
-            yield name, t
-
-    if engine is not None:
-        engine.update_weights(counted())
-    else:
-        for _ in counted():
-            pass
-    stats.seconds = time.perf_counter() - t0
-    return stats
 
 
 @dataclass

@@ -11,7 +11,7 @@ from sync_worker import engine_vs_actor
 
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
-from megatron_dapo.loop.phases import sync_weights
+from megatron_dapo.loop.weight_sync import sync_weights
 from megatron_dapo.loop.shared_weights import can_share, model_on_actor_weights
 from megatron_dapo.rollout.embedded import EmbeddedEngine
 

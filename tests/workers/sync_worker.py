@@ -13,7 +13,7 @@ from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
 from megatron_dapo.algo.train_batch import build_train_batch
 from megatron_dapo.rollout.base import SamplingParams
-from megatron_dapo.loop.phases import sync_weights
+from megatron_dapo.loop.weight_sync import sync_weights
 from megatron_dapo.types import Group, Prompt
 
 
