@@ -48,11 +48,16 @@ def own_storage(params: Iterable[torch.nn.Parameter]) -> None:
             p.data = p.data.clone()
 
 
+LOST_BYTE = 0xFF
+"""What a lost region holds when it comes back: all bits set, NaN in every floating dtype (fp32, bf16, fp16)."""
+
+
 @dataclass
 class _Held:
     storage: torch.UntypedStorage
     nbytes: int
-    host: torch.Tensor | None  # None: the values are not kept (zeros on reload)
+    host: torch.Tensor | None  # None: the values are not kept (`fill` on reload)
+    fill: int = 0
 
 
 class HostOffload:
@@ -66,12 +71,15 @@ class HostOffload:
     def offloaded(self) -> bool:
         return bool(self._held)
 
-    def offload(self, groups: Mapping[str, Iterable[torch.Tensor]], *, drop: Iterable[str] = ()) -> int:
-        """Free the groups' storages (a copy of their bytes kept on the host unless the group is in
-        `drop`); returns the bytes freed. A second call before `reload` is refused."""
+    def offload(self, groups: Mapping[str, Iterable[torch.Tensor]], *, drop: Iterable[str] = (),
+                lose: Iterable[str] = ()) -> int:
+        """Free the groups' storages (a copy of their bytes kept on the host unless the group is in `drop`:
+        zeros on reload, or in `lose`: NaN on reload, as a CUDA memory saver's paused region comes back
+        without a backup); returns the bytes freed. A second call before `reload` is refused."""
         if self._held:
             raise RuntimeError("HostOffload.offload: already offloaded; reload() first")
-        drop = set(drop)
+        lose = set(lose)
+        drop = set(drop) | lose
         freed = 0
         for name, storages in unique_storages(groups).items():
             for st in storages:
@@ -83,17 +91,17 @@ class HostOffload:
                 if host is not None:
                     host.copy_(_storage_view(st), non_blocking=False)
                 st.resize_(0)
-                self._held.append(_Held(st, n, host))
+                self._held.append(_Held(st, n, host, LOST_BYTE if name in lose else 0))
                 freed += n
         return freed
 
     def reload(self) -> None:
-        """Reallocate every offloaded storage and restore its bytes (dropped groups: zeros)."""
+        """Reallocate every offloaded storage and restore its bytes (dropped groups: zeros; lost: NaN)."""
         for held in self._held:
             held.storage.resize_(held.nbytes)
             view = _storage_view(held.storage)
             if held.host is None:
-                view.zero_()
+                view.fill_(held.fill)
             else:
                 view.copy_(held.host, non_blocking=False)
         self._held = []

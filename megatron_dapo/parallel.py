@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -64,14 +65,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def backend_for(cfg: ParallelConfig) -> str:
-    if cfg.backend != "auto":
-        return cfg.backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
+MIXED_BACKEND = "cpu:gloo,cuda:nccl"
+"""NCCL has no CPU backend: the trainer's small host-side messages (headers, counts, flags) would fail
+with it alone, so every group carries gloo beside NCCL and torch picks by the tensors' device."""
 
 
-def initialize(cfg: ParallelConfig, *, seed: int, timeout_s: float = 600.0) -> LaunchEnv:
-    """Start torch.distributed (if needed) and Megatron's TP/PP/DP (and expert-parallel) groups; seed every RNG."""
+def backend_for(cfg: ParallelConfig, *, cuda: bool | None = None) -> str:
+    """The default group's backend: nccl means NCCL for device tensors and gloo for host tensors."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    backend = cfg.backend if cfg.backend != "auto" else "nccl" if cuda else "gloo"
+    return MIXED_BACKEND if backend == "nccl" else backend
+
+
+def initialize(cfg: ParallelConfig, *, seed: int, timeout_s: float | None = None) -> LaunchEnv:
+    """Start torch.distributed (if needed) and Megatron's TP/PP/DP (and expert-parallel) groups; seed every
+    RNG. `timeout_s`: one collective's limit (default cfg.timeout_s)."""
+    timeout_s = cfg.timeout_s if timeout_s is None else timeout_s
     env = launch_env()
     megatron_cpu.enable()
     if torch.cuda.is_available():
@@ -135,6 +144,33 @@ def seed_all(seed: int) -> None:
         seed, inference_rng_tracker=megatron_cpu.is_enabled(), force_reset_rng=True)
 
 
+_driver_waits = 0
+
+
+def join_driver(label: str, *, poll_s: float = 0.5) -> None:
+    """Every rank: where the other ranks wait for work only the driver (global rank 0) does -- a rollout,
+    an evaluation -- however long it takes. They poll the rendezvous store instead of waiting in a
+    collective (which fails after parallel.timeout_s); a driver that dies breaks the store and the wait."""
+    global _driver_waits
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    _driver_waits += 1
+    key, store = f"megatron_dapo/driver/{_driver_waits}/{label}", _get_default_store()
+    if is_main():
+        store.set(key, "1")
+        return
+    while not store.check([key]):
+        time.sleep(poll_s)
+
+
+def barrier() -> None:
+    """Every rank waits for the others (host-side ordering of memory phases across ranks)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(torch.zeros(1))  # a host tensor: gloo, also beside NCCL
+
+
 def destroy() -> None:
     from megatron.core import parallel_state as ps
 
@@ -142,6 +178,8 @@ def destroy() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    global _driver_waits
+    _driver_waits = 0
 
 
 # --- read access for the rest of the code base ------------------------------------------------

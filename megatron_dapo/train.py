@@ -23,6 +23,7 @@ from megatron_dapo.loop.collect import StepRollout, collect_step, evaluate, step
 from megatron_dapo.loop.old_policy import apply_rollout_correction, old_logprobs
 from megatron_dapo.loop.preempt import Preempted, StopSignals
 from megatron_dapo.loop.state import RunState, build_run
+from megatron_dapo.loop.weight_probe import WeightSyncError
 from megatron_dapo.loop.stream import collect_stream, group_sampling, rollout_cost_scalars
 from megatron_dapo.metrics import progress
 
@@ -79,6 +80,7 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     run.phases.generate()
     with timer("rollout"):  # (generation and reward scoring happen round by round, or group by group)
         rollout = collect(run, step) if run.is_driver else None
+        parallel.join_driver("rollout")  # the other ranks wait host-side, however long the rollout takes
         rows = distribute.step_rows(rollout, num_mini_batches=run.num_mini_batches,
                                     overlong_filtering=cfg.algo.overlong_filtering, pad_id=run.tokenizer.pad_token_id or 0)
     timer.move("rollout", "reward", rollout.reward_seconds if rollout is not None else 0.0)
@@ -103,7 +105,7 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     with timer("update"):
         update = run.actor.train_step(batch, num_mini_batches=run.num_mini_batches, epochs=cfg.algo.epochs_per_rollout)
     with timer("weight_sync"):
-        sync = run.phases.sync()
+        sync = run.phases.sync(step)
     out.update(scalars.update_scalars(update, parallel.dp_sum(scalars.token_sums(batch, entropy))))
     out.update(run.phases.ledger)
     tokens = int(batch.lengths.sum())
@@ -129,9 +131,11 @@ def collect(run: RunState, step: int) -> StepRollout:
 def validate_policy(run: RunState, step: int) -> dict[str, float]:
     """avg@k, pass@k, maj@k on the validation prompts (driver only; other ranks return nothing)."""
     run.phases.generate()
-    if not run.is_driver:
+    result = evaluate(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids, run.scorer) \
+        if run.is_driver else None
+    parallel.join_driver("eval")
+    if result is None:
         return {}
-    result = evaluate(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids, run.scorer)
     run.write_samples(step, "val", result.groups)
     return {**result.val_scalars(), "timing/eval_s": result.seconds}
 
@@ -174,7 +178,7 @@ def run_training(cfg: Config) -> int:
     except UserError as e:
         print_error("train", e)
         return EXIT_USER_ERROR
-    except (NonFiniteWeightsError, CheckpointError) as e:
+    except (NonFiniteWeightsError, CheckpointError, WeightSyncError) as e:
         print_error("train", e)
         return 1
     except Preempted as e:

@@ -167,3 +167,10 @@ def test_checkpoints_hold_no_pickle_and_crafted_pickles_never_run(tiny_actor_hf,
     assert res["old_error"] and "older megatron-dapo" in res["old_error"] and "step_00000002" in res["old_error"]
     assert "\n" not in res["old_error"]
     assert not res["pwned"], "a crafted pickle in a checkpoint ran code"
+
+
+def test_a_transformer_engine_model_loads_a_local_spec_checkpoint(tiny_actor_hf, tmp_path, python_env):
+    """TE's modules add `_extra_state` objects to the sharded state dict; the converter and CPU runs save
+    with the local spec, without them: the strict load used to fail on them (and only on them)."""
+    res = run_case("te_extra_state", tiny_actor_hf, tmp_path, python_env)[0]
+    assert res["extra_keys"] > 0 and res["same_params"]

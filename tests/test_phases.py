@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,8 +82,14 @@ def test_protocol_order_and_ledger(monkeypatch):
     events: list[str] = []
     engine = RecordingEngine(tiny_model("qwen2", seed=0), events)
     weights = sum(p.numel() * 4 for p in engine.model.parameters())  # tied: counted once
-    monkeypatch.setattr(phases_mod, "sync_weights", lambda module, spec, eng: (
-        events.append(f"stream (engine weights {eng.resident_bytes()['weights']})") or phases_mod.SyncStats()))
+    saved = [(n, t.detach().clone()) for n, t in engine.model.named_parameters()]
+
+    def stream(module, spec, eng):  # released weights come back lost (NaN): the sync writes every one again
+        events.append(f"stream (engine weights {eng.resident_bytes()['weights']})")
+        eng.update_weights(saved)
+        return phases_mod.SyncStats()
+
+    monkeypatch.setattr(phases_mod, "sync_weights", stream)
     p = phases_mod.Phases(FakeActor(events), engine, colocate=True, offload_when_idle=True)
 
     p.generate()
@@ -94,9 +101,9 @@ def test_protocol_order_and_ledger(monkeypatch):
     with pytest.raises(EngineStateError, match="asleep"):
         engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2))
     events.clear()
-    p.sync()
+    p.sync(1)
     # weights back without the KV cache, streamed into, then the actor leaves before the KV cache returns
-    assert events == ["engine.wake ('weights',)", "engine.sleep ['kv_cache']", f"stream (engine weights {weights})",
+    assert events == ["engine.sleep ['kv_cache']", "engine.wake ('weights',)", f"stream (engine weights {weights})",
                       "actor.sleep", "engine.wake None"]
     led = p.ledger
     assert led["memory/actor_bytes_generate"] == 0 and led["memory/actor_asleep_in_generate"] == 1.0
@@ -104,6 +111,59 @@ def test_protocol_order_and_ledger(monkeypatch):
     assert led["memory/engine_bytes_train"] == 0
     assert led["memory/engine_bytes_sync"] == led["memory/engine_bytes_generate"] == weights
     assert engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2, seed=0))
+
+
+class SlowEngine(EmbeddedEngine):
+    """Releases and retakes its memory slowly (a large SGLang server takes seconds): without the ranks
+    waiting for each other, the other ranks' actors would move inside that window."""
+
+    def sleep(self, tags=None):
+        time.sleep(1.5)
+        super().sleep(tags)
+
+    def wake(self, tags=None):
+        time.sleep(1.5)
+        super().wake(tags)
+
+
+def _ordered_rank(rank, world, port, out_dir):
+    import os
+
+    import torch.distributed as dist
+
+    from megatron_dapo.tiny import tiny_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    phases_mod.sync_weights = lambda module, spec, eng: phases_mod.SyncStats()
+    engine = SlowEngine(tiny_model("qwen2", seed=0)) if rank == 0 else None
+    p = phases_mod.Phases(FakeActor([]), engine, colocate=True, offload_when_idle=True)
+    p.generate()
+    p.train()
+    p.sync(1)
+    torch.save(list(p.transitions), Path(out_dir) / f"rank_{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_no_rank_takes_memory_before_every_rank_released_it(tmp_path):
+    """On one clock (CLOCK_MONOTONIC): every actor wakes after the driver's engine release returned, and the
+    engine's KV cache comes back only after every actor slept (generate after train, and after the sync)."""
+    from spawn import run_ranks
+
+    run_ranks(_ordered_rank, str(tmp_path), nprocs=2, timeout_s=120)
+    events = {r: torch.load(tmp_path / f"rank_{r}.pt") for r in (0, 1)}
+
+    def times(rank, event):
+        return [t for t, e in events[rank] if e == event]
+
+    released = times(0, "engine_released weights,kv_cache")  # train: the engine gives everything back
+    resumed = times(0, "engine_resuming weights,kv_cache")  # generate: the KV cache comes back
+    assert len(released) == 1 and len(resumed) == 2
+    for rank in (0, 1):
+        woke, slept = times(rank, "actor_waking"), times(rank, "actor_slept")
+        assert len(woke) == 1 and len(slept) == 2, events[rank]
+        assert woke[0] >= released[0], (rank, woke, released)
+        assert resumed[0] >= slept[0] and resumed[1] >= slept[1], (rank, resumed, slept)
 
 
 def test_offload_really_frees_and_restores_values():
@@ -123,7 +183,7 @@ def test_offload_really_frees_and_restores_values():
 def test_embedded_engine_tags():
     from megatron_dapo.tiny import tiny_model
 
-    engine = EmbeddedEngine(tiny_model("qwen2", seed=0))
+    engine = EmbeddedEngine(tiny_model("qwen2", seed=0), weights_backup=True)
     full = engine.resident_bytes()
     engine.sleep(["kv_cache"])
     assert engine.resident_bytes() == full  # the KV cache is only held inside generate()

@@ -184,9 +184,24 @@ def test_update_weights_rejects_unknown_name_and_bad_shape(model):
         engine.update_weights([("model.norm.weight", torch.zeros(31))])
 
 
+def test_released_weights_are_lost_without_a_backup(model):
+    """As CUDA's memory saver loses a paused region (SGLang without --enable-weights-cpu-backup): released
+    weights come back as NaN, and only a weight update makes the engine generate as before."""
+    sampling = SamplingParams(max_new_tokens=4, seed=0)
+    engine = EmbeddedEngine(model)
+    weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    before = engine.generate(PROMPTS, 1, sampling)
+    engine.sleep()
+    engine.wake()
+    assert all(p.isnan().all() for p in engine.model.parameters())
+    engine.update_weights(weights.items())
+    assert [s.response_ids for g in engine.generate(PROMPTS, 1, sampling) for s in g] == \
+        [s.response_ids for g in before for s in g]
+
+
 def test_sleep_wake_shutdown(model):
     sampling = SamplingParams(max_new_tokens=4, seed=0)
-    with EmbeddedEngine(model) as engine:
+    with EmbeddedEngine(model, weights_backup=True) as engine:
         engine.sleep()
         with pytest.raises(EngineStateError, match="asleep"):
             engine.generate(PROMPTS, 1, sampling)

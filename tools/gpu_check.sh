@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with one CUDA GPU and no internet, install the carried wheels, run the
 # `gpu`-marked tests that can run there, the loss benchmark on CUDA, the actor memory benchmark and the
-# rounds-vs-streaming rollout benchmark on the embedded engine on CUDA, and print ONE JSON summary line
-# (last line of stdout). Budget: 9.5 minutes (each stage has its own timeout).
+# rounds-vs-streaming rollout benchmark on the embedded engine on CUDA, the tiny DAPO job end to end (bf16,
+# colocated with offload, the weight-sync probe on, the phase ledger beside mem_get_info), and print ONE
+# JSON summary line (last line of stdout). Budget: 9 minutes (each stage has its own timeout).
 #
 #   bash tools/gpu_check.sh --prepare      # HERE (with a package index): wheels/ for the device's python
 #   bash tools/gpu_check.sh                # THERE, from the repository root (carry: ["wheels"])
@@ -58,14 +59,16 @@ stage install 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-
 export PYTHONPATH="$PWD:/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 stage cuda 30 "$PY" -c "import torch, megatron.core; assert torch.cuda.is_available(), 'no CUDA'; \
 print(torch.__version__, torch.cuda.get_device_name(), megatron.core.__version__)"
-stage pytest 210 "$PY" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
+stage pytest 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
   tests/test_kernels.py tests/test_kernels_loss.py tests/test_kernels_temperature.py tests/test_phases_gpu.py \
   tests/test_actor_gpu.py
-stage bench_loss 90 "$PY" tools/bench_loss.py --device cuda --json --tokens 16384 --vocab 152064 \
+stage bench_loss 70 "$PY" tools/bench_loss.py --device cuda --json --tokens 16384 --vocab 152064 \
   --impl naive fused fused_inplace naive_linear fused_linear
-stage bench_actor 80 "$PY" tools/bench_actor.py --memory --json --device cuda --tokens 16384 --steps 3
-stage bench_dynamic 80 "$PY" tools/bench_rollout.py --dynamic --json --engines embedded --device cuda
-fi  # the stages' timeouts add up to 550 s: with the summary the check ends within 9.5 minutes
+stage bench_actor 60 "$PY" tools/bench_actor.py --memory --json --device cuda --tokens 16384 --steps 3
+stage bench_dynamic 60 "$PY" tools/bench_rollout.py --dynamic --json --engines embedded --device cuda
+# the tiny DAPO job end to end: embedded engine colocated with offload, bf16, Triton kernels, the probe
+stage tiny_dapo 100 "$PY" tools/gpu_tiny_run.py --out "$OUT_DIR/tiny_dapo" --steps 3 --base-seconds 15
+fi  # the stages' timeouts add up to 530 s: with the summary the check ends within 9 minutes
 
 "$PY" - "$OUT_DIR" "$MODE" "$(( $(date +%s) - START ))" <<'EOF'
 import json, re, sys
@@ -85,7 +88,7 @@ def json_lines(log):
 
 
 summary = {"mode": mode, "seconds": seconds, "stages": {}}
-for name in ("install", "cuda", "pytest", "bench_loss", "bench_actor", "bench_dynamic"):
+for name in ("install", "cuda", "pytest", "bench_loss", "bench_actor", "bench_dynamic", "tiny_dapo"):
     rc, log = stage(name)
     summary["stages"][name] = rc
     if name == "cuda" and log.strip():
@@ -93,7 +96,7 @@ for name in ("install", "cuda", "pytest", "bench_loss", "bench_actor", "bench_dy
     if name == "pytest":
         counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", log))
         summary["pytest"] = counts
-    if name in ("bench_loss", "bench_actor", "bench_dynamic"):
+    if name in ("bench_loss", "bench_actor", "bench_dynamic", "tiny_dapo"):
         summary[name] = json_lines(log)
 actor = {r["impl"]: r for r in summary["bench_actor"]}
 if "naive" in actor:

@@ -62,7 +62,14 @@ class Actor:
         spec = spec_from_hf(load_hf_config(hf_dir))
         actor = cls(spec, model_cfg, par_cfg, actor_cfg, algo, temperature=temperature, init_weights=False)
         load_hf_weights(actor.module, SafetensorsReader(hf_dir), spec)
+        actor.weights_loaded()
         return actor
+
+    def weights_loaded(self) -> None:
+        """The model's weights were written outside the optimizer (HF weights, a weights-only checkpoint):
+        the bf16 optimizer's fp32 main copies, taken when it was built, are refreshed from them (else the
+        first update continues from the uninitialised memory they were cloned from)."""
+        self.optimizer.reload_model_params()
 
     @property
     def module(self) -> torch.nn.Module:
@@ -71,8 +78,8 @@ class Actor:
 
     # --- logprobs --------------------------------------------------------------------------------
 
-    def _token_stats(self, out: torch.Tensor, input_ids: torch.Tensor, entropy: bool = True
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _token_stats(self, out: torch.Tensor, input_ids: torch.Tensor, entropy: bool = True,
+                     temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The last stage's output -> logprob of token t and entropy at t, as [b, s] (position 0 = 0).
 
         `out`: logits [b, s, V/TP] in the model's dtype (loss_impl=logits; the kernels read them in fp32
@@ -86,7 +93,7 @@ class Actor:
         start = parallel.tp_rank() * v_local
         valid = max(0, min(v_local, self.spec.vocab_size - start))  # Megatron's vocab padding is not vocabulary
         kw = {"tp_group": parallel.tp_group() if parallel.tp_size() > 1 else None, "vocab_start": start,
-              "compute_entropy": entropy, "temperature": self.temperature}
+              "compute_entropy": entropy, "temperature": self.temperature if temperature is None else temperature}
         if weight is not None:
             lp, ent = linear_logprobs_and_entropy(out, weight[:valid], targets, **kw)
         else:
@@ -117,15 +124,17 @@ class Actor:
             forward_only=forward_only)
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token logprobs and entropies [B, S] of `batch` under the current policy (all ranks)."""
+    def compute_logprobs(self, batch: TrainBatch, *, temperature: float | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token logprobs and entropies [B, S] of `batch` under the current policy (all ranks), at the
+        rollout's temperature unless `temperature` is given."""
         self._check_awake()
         micro = micro_batches(batch, self.cfg.logprob_micro_batch_tokens)
         out_lp = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         out_ent = torch.zeros_like(out_lp)
 
         def collect(mb: MicroBatch, logits: torch.Tensor):
-            lp, ent = self._token_stats(logits, mb.input_ids.to(logits.device))
+            lp, ent = self._token_stats(logits, mb.input_ids.to(logits.device), temperature=temperature)
             width = mb.shape[1]
             out_lp[mb.rows, :width] = lp.cpu()
             out_ent[mb.rows, :width] = ent.cpu()

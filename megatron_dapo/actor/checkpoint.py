@@ -16,7 +16,8 @@ import re
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
+import types
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,55 @@ def _restore_zero_steps(sd: Any) -> None:
         _restore_zero_steps(value)
 
 
+def load_sharded(sharded: dict, path: Path, expected: Iterable[str]) -> dict:
+    """dist_checkpointing.load, tolerating only absent `_extra_state` entries: Transformer Engine's modules
+    ask for them (FP8 metadata) and a checkpoint written with the local spec (the converter's, a CPU run's)
+    has none; they load as None, which TE's set_extra_state takes as "nothing saved". Any other tensor the
+    model needs and the checkpoint lacks is a CheckpointError naming it."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    state, _, unexpected = dist_checkpointing.load(sharded, str(path), strict=StrictHandling.RETURN_UNEXPECTED)
+    absent = sorted(k for k in unexpected if "_extra_state" not in k)
+    if absent:
+        raise CheckpointError(f"checkpoint {path} lacks {len(absent)} tensor(s) this model needs, e.g. "
+                              f"{', '.join(absent[:3])} (another architecture or layer spec?)")
+    for key in expected:
+        if key.endswith("._extra_state") and key not in state["model"]:
+            state["model"][key] = None
+    return state
+
+
+def _keep_adam_steps(optimizer: Any) -> None:
+    """megatron-core 0.16.1's distributed optimizer, with torch's Adam (no TE / apex), loads a
+    fully-reshardable state by copying every key of Adam's per-parameter state from the checkpoint's
+    tensors, which never hold "step" (restored beforehand from the param groups): KeyError 'step', so no
+    run with actor.optimizer.distributed_optimizer could resume. Keep the step it already restored."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    def set_states(self: Any, model_param: Any, tensors: dict) -> None:
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group, order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"].clone()}
+        DistributedOptimizer._set_main_param_and_optimizer_states(self, model_param, tensors)
+
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(sub, DistributedOptimizer):
+            sub._set_main_param_and_optimizer_states = types.MethodType(set_states, sub)
+
+
+def _unshare_adam_steps(optimizer: Any) -> None:
+    """The distributed optimizer restores Adam's step count as ONE tensor shared by every parameter's state;
+    torch's Adam increments each parameter's step in place, so after a resume the shared count ran ahead by
+    the number of parameters per update, and the bias correction with it. Give each its own."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in sub.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
 @contextmanager
 def _signals_held() -> Iterator[None]:
     """Hold back Ctrl-C and preemption signals (delivered right after) while a checkpoint is committed."""
@@ -186,8 +236,6 @@ def load_checkpoint(actor: Any, path: str | Path, *, load_optimizer: bool = True
 
     The checkpoint is verified against its manifest first (`verify=False`: the caller just did);
     CheckpointError names the checkpoint and the problem."""
-    from megatron.core import dist_checkpointing
-
     path = Path(path)
     problem = files.verify(path) if verify else None
     if problem is not None:
@@ -197,12 +245,18 @@ def load_checkpoint(actor: Any, path: str | Path, *, load_optimizer: bool = True
     if load_optimizer and not extra:
         raise CheckpointError(f"checkpoint {path}: no {files.STATE_FILE} (a weights-only checkpoint?): load it "
                               "with load_optimizer=False")
+    if load_optimizer:  # a fresh optimizer has no state yet: the distributed one cannot describe it
+        _materialize_optimizer_state(actor.optimizer)
     sharded = _sharded_state(actor, is_loading=True, with_optimizer=load_optimizer)
-    state = dist_checkpointing.load(sharded, str(path))
+    state = load_sharded(sharded, path, expected=actor.module.state_dict().keys())
     actor.module.load_state_dict(state["model"])
-    if load_optimizer:
+    if not load_optimizer:
+        actor.weights_loaded()
+    else:
         _restore_zero_steps(state["optimizer"])
+        _keep_adam_steps(actor.optimizer)
         actor.optimizer.load_state_dict(state["optimizer"])
+        _unshare_adam_steps(actor.optimizer)
         actor.scheduler.load_state_dict(extra["scheduler"])
         actor.updates = extra["updates"]
     rng_file = path / "rng" / f"rank_{parallel.global_rank()}.safetensors"

@@ -28,9 +28,9 @@ def build_stage(spec: ModelSpec, dtype: str, tp: int, pp: int) -> torch.nn.Modul
 
 def load_weights_only(model: torch.nn.Module, ckpt: Path) -> None:
     """Collective: read the model part of a dist checkpoint at this TP/PP (as load_checkpoint does)."""
-    from megatron.core import dist_checkpointing
+    from megatron_dapo.actor.checkpoint import load_sharded
 
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
+    state = load_sharded({"model": model.sharded_state_dict()}, ckpt, expected=model.state_dict().keys())
     model.load_state_dict(state["model"])
 
 

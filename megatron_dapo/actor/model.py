@@ -287,7 +287,17 @@ def build_model(spec: ModelSpec, model_cfg: ModelConfig, par: ParallelConfig, *,
         pre_process=parallel.is_first_stage(), post_process=parallel.is_last_stage(),
         parallel_output=True, share_embeddings_and_output_weights=spec.tied_embeddings,
         position_embedding_type="rope", rotary_base=int(spec.rope_theta), rotary_percent=1.0)
+    _cast_params(model, model.config.params_dtype)
     return model.to(parallel.device())
+
+
+def _cast_params(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every parameter in the model's dtype, as Megatron-LM's Float16Module and TE's layers make them. The
+    local spec's norms ignore params_dtype (fp32 in a bf16 model); megatron-core's fp16/bf16 optimizer then
+    pairs its state with the wrong parameters and the first checkpoint save fails on a shape mismatch."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def output_weight(model: Any) -> torch.Tensor:

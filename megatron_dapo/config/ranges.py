@@ -21,6 +21,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "parallel.tensor_parallel": ("[1, inf)", ""),
     "parallel.pipeline_parallel": ("[1, inf)", ""),
     "parallel.expert_parallel": ("[1, inf)", ""),
+    "parallel.timeout_s": ("(0, inf)", ""),
     "actor.optimizer.lr": ("(0, inf)", ""),
     "actor.optimizer.warmup_steps": ("[0, inf)", ""),
     "actor.optimizer.weight_decay": ("[0, inf)", ""),

@@ -35,7 +35,12 @@ class ParallelConfig:
     """Mixture-of-experts models: experts split over this many ranks (EP), inside the TP x DP ranks of a
     pipeline stage; must divide num_experts and world_size / (TP * PP)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """torch.distributed backend; auto = nccl with CUDA, gloo without."""
+    """torch.distributed backend; auto = nccl with CUDA, gloo without. nccl is `cpu:gloo,cuda:nccl`: device
+    tensors go over NCCL, the host-side control messages (headers, counts, flags) over gloo beside it."""
+    timeout_s: float = 1800.0
+    """Limit on one collective among the ranks (a rank that stops answering fails the job after it). The
+    other ranks wait for the driver's rollout, evaluation and server start-up host-side (on the rendezvous
+    store, as long as the driver lives), not in a collective: hours-long rollouts need no longer limit."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs TP > 1 and the Transformer Engine spec)."""
 
@@ -138,6 +143,10 @@ class RolloutConfig:
     """Nucleus sampling for training rollouts (paper: 1.0)."""
     weight_sync_bucket_mb: int = 512
     """Size of one weight-sync bucket in MiB (actor -> rollout)."""
+    weight_sync_probe: bool = True
+    """After every weight sync the engine and the actor score one fixed 16-token sequence; a mean logprob
+    difference above the dtype's tolerance (fp32 0.01, bf16 0.5) stops the run naming the step
+    (rollout/weight_sync_probe_absdiff). One short forward on each side."""
     streaming: bool = True
     """Streaming rollout (loop/stream.py): groups are scored as each finishes, the stream is kept topped
     up (algo.gen_batch_multiplier x missing / kept fraction in flight), and the step stops at N informative

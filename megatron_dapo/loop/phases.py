@@ -10,12 +10,16 @@ into the engine, which buckets them for its transport -- then on to generate).
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
 from megatron_dapo.loop.phase_model import ENGINE_STATE, Phase, phase_model
+from megatron_dapo.loop.weight_probe import WeightProbe
 from megatron_dapo.loop.weight_sync import SyncStats, sync_weights
 from megatron_dapo.rollout.base import RolloutEngine
 
@@ -24,58 +28,81 @@ from megatron_dapo.rollout.base import RolloutEngine
 class Phases:
     """Moves the devices between the rollout engine (driver rank only) and the actor (every rank), as
     the phase model says, and keeps the ledger: at each phase boundary the bytes each side holds on this
-    rank's device (`memory/{actor,engine}_bytes_<phase>`; on CUDA also `memory/device_allocated_<phase>`,
-    torch's count for this process, which holds the actor and an in-process engine)."""
+    rank's device (`memory/{actor,engine}_bytes_<phase>`; on CUDA also torch's allocated and reserved
+    bytes and the device's used memory, `memory/device_{allocated,reserved,used}_<phase>`).
+
+    Every phase change first releases, on every rank, what the new phase does not hold, then waits for all
+    ranks (a barrier), then takes what it holds: no actor wakes before the engine's release has returned,
+    no KV cache comes back before every actor sleeps. Released engine weights lose their content (CUDA's
+    memory saver keeps no copy): the protocol knows it on every rank and syncs before the engine generates
+    again. `probe`: checked after every sync (loop/weight_probe.py)."""
 
     actor: Actor
     engine: RolloutEngine | None
     colocate: bool
     offload_when_idle: bool = True
+    probe: WeightProbe | None = None
     ledger: dict[str, float] = field(default_factory=dict)
+    transitions: deque = field(default_factory=lambda: deque(maxlen=64))
+    """(time.monotonic(), event) of this rank's last moves: a release when it has returned (actor_slept,
+    engine_released <tags>), a retake when it starts (actor_waking, engine_resuming <tags>)."""
 
     def __post_init__(self) -> None:
         self.model = phase_model(colocate=self.colocate, offload_when_idle=self.offload_when_idle)
+        self.engine_weights_lost = False
+        self.step = 0
+        self.resyncs = 0
 
     def generate(self) -> None:
         """The engine generates: the actor leaves the device (if offloaded when idle), the engine's
-        KV cache (and weights, if still released) come back."""
-        phase = self.model["generate"]
-        self._actor_to(phase)
-        self._engine_to(phase)
-        self._record(phase)
+        KV cache (and weights, if still released) come back. Weights released since the last sync are
+        synced first."""
+        if self.engine_weights_lost:
+            self.resyncs += 1
+            self.sync(self.step)
+            return
+        self._enter(self.model["generate"])
 
     def train(self) -> None:
         """The actor takes the devices: the engine releases its memory."""
-        phase = self.model["train"]
-        self._engine_to(phase)
-        self._actor_to(phase)
-        self._record(phase)
+        self._enter(self.model["train"])
 
-    def sync(self) -> SyncStats:
+    def sync(self, step: int) -> SyncStats:
         """The engine's weights (not its KV cache) come back and take the actor's weights, streamed
-        (collective over all ranks); then on to generate: the actor sleeps, the KV cache returns."""
-        phase = self.model["sync"]
-        self._actor_to(phase)
-        self._engine_to(phase)
+        (collective over all ranks); the probe is scored by the actor; then on to generate (the actor
+        sleeps, the KV cache returns), where the engine scores the probe."""
+        self.step = step
+        self._enter(self.model["sync"])
         stats = sync_weights(self.actor.module, self.actor.spec, self.engine)
-        self._record(phase)
-        self.generate()
+        expected = self.probe.actor_logprobs(self.actor) if self.probe is not None else None
+        self.engine_weights_lost = False
+        self._enter(self.model["generate"])
+        if self.probe is not None:
+            self.ledger["rollout/weight_sync_probe_absdiff"] = self.probe.check(self.engine, expected, step)
         return stats
 
-    def _actor_to(self, phase: Phase) -> None:
-        if phase.actor_on_device:
-            self.actor.wake()
-        else:
-            self.actor.sleep()
-
-    def _engine_to(self, phase: Phase) -> None:
-        if self.engine is None or not self.colocate:
-            return  # not on the actor's devices: never moved
-        if phase.engine:
-            self.engine.wake(None if set(phase.engine) == set(ENGINE_STATE) else phase.engine)
-        released = [t for t in ENGINE_STATE if t not in phase.engine]
-        if released:
+    def _enter(self, phase: Phase) -> None:
+        moves_engine = self.colocate and self.engine is not None
+        released = [t for t in ENGINE_STATE if t not in phase.engine] if self.colocate else []
+        if moves_engine and released:
             self.engine.sleep(None if len(released) == len(ENGINE_STATE) else released)
+            self._note(f"engine_released {','.join(released)}")
+        if "weights" in released:
+            self.engine_weights_lost = True
+        if not phase.actor_on_device and not self.actor.asleep:
+            self.actor.sleep()
+            self._note("actor_slept")
+        parallel.barrier()
+        if phase.actor_on_device and self.actor.asleep:
+            self._note("actor_waking")
+            self.actor.wake()
+        if moves_engine and phase.engine:
+            self._note(f"engine_resuming {','.join(phase.engine)}")
+            self.engine.wake(None if set(phase.engine) == set(ENGINE_STATE) else phase.engine)
+        self._record(phase)
+
+    def _note(self, event: str) -> None:
+        self.transitions.append((time.monotonic(), event))
 
     def _record(self, phase: Phase) -> None:
         name = phase.name
@@ -84,5 +111,15 @@ class Phases:
             self.ledger[f"memory/engine_bytes_{name}"] = float(sum(self.engine.resident_bytes().values()))
         if name == "generate":
             self.ledger["memory/actor_asleep_in_generate"] = float(self.actor.asleep)
-        if torch.cuda.is_available():
-            self.ledger[f"memory/device_allocated_{name}"] = float(torch.cuda.memory_allocated())
+        self.ledger.update(device_memory(name))
+
+
+def device_memory(phase: str) -> dict[str, float]:
+    """On CUDA, what torch allocated and reserved in this process and what the device has in use by every
+    process (mem_get_info: what nvidia-smi shows, SGLang servers included), at a phase boundary."""
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {f"memory/device_allocated_{phase}": float(torch.cuda.memory_allocated()),
+            f"memory/device_reserved_{phase}": float(torch.cuda.memory_reserved()),
+            f"memory/device_used_{phase}": float(total - free)}

@@ -57,8 +57,6 @@ class StopSignals:
         """Collective: the signal any rank received (0 if none), the same on every rank."""
         flag = torch.tensor([float(self.signum)])
         if dist.is_initialized() and dist.get_world_size() > 1:
-            if dist.get_backend() == "nccl":
-                flag = flag.cuda()
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
 

@@ -36,6 +36,7 @@ class StartupReport:
     engine: str = ""
     data: list[str] = field(default_factory=list)
     resumed_from: str | None = None
+    actor_bytes_at_engine_start: int = 0
 
     def lines(self) -> list[str]:
         cfg, model = self.cfg, read_model_config(self.cfg.model.hf_dir) or {}
@@ -54,7 +55,9 @@ class StartupReport:
             f"layout: TP={tp} x PP={pp} x DP={parallel.dp_size()} (world {parallel.world_size()}); micro-batches "
             f"{a.micro_batch_tokens} / {a.logprob_micro_batch_tokens} tokens (train / pi_old)",
             f"weights: {weights}",
-            f"rollout engine: {self.engine}",
+            f"rollout engine: {self.engine}; started with the actor "
+            + ("asleep" if not self.actor_bytes_at_engine_start
+               else f"holding {self.actor_bytes_at_engine_start / 2**20:.1f} MiB of this rank's device"),
             f"chat template: {self.chat_template}",
             f"system prompt: {self.system_prompt}",
             f"prompt template: {cfg.data.prompt_template}" + (f", few-shot examples from {cfg.data.few_shot_path}"

@@ -15,7 +15,7 @@ from megatron_dapo.actor.actor import Actor
 from megatron_dapo.actor.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_dapo.actor.model import UnsupportedModelError, param_dtype
 from megatron_dapo.cli import preflight_error
-from megatron_dapo.config import Config, to_dict
+from megatron_dapo.config import Config, ModelConfig, to_dict
 from megatron_dapo.config.model_checks import read_model_config
 from megatron_dapo.config.sizing import resolve_micro_batches
 from megatron_dapo.data import PromptFormat, PromptIterator
@@ -27,6 +27,7 @@ from megatron_dapo.loop.phases import Phases
 from megatron_dapo.loop.preflight import SetupError, check_model, checkpoint_bytes
 from megatron_dapo.loop.prompts import load_train_prompts, load_val_prompts
 from megatron_dapo.loop.startup import StartupReport, system_prompt_note
+from megatron_dapo.loop.weight_probe import WeightProbe
 from megatron_dapo.loop.stream import carry_state, load_carry
 from megatron_dapo.metrics import Alarms, MetricsWriter, PhaseTimer
 from megatron_dapo.reward import RewardLoadError, Scorer
@@ -207,13 +208,16 @@ def build_run(cfg: Config) -> RunState:
         for note in notes if parallel.is_main() else []:
             log.warning(note)
         run = _build(cfg, tokenizer, folder, lock, scorer, prompt_format, report)
+        parallel.join_driver("startup")  # the driver's engine, prompts and metrics: however long they take
     except BaseException:
         if lock is not None:
             lock.release()
         raise
+    if start is not None:
+        run.phases.train()  # the actor's state on its device to take the checkpoint
     run.resume(start)
     if run.start_step > 0 or cfg.model.load:
-        run.phases.sync()  # the engine started from hf_dir; give it the trained weights
+        run.phases.sync(run.start_step)  # the engine started from hf_dir; give it the trained weights
     if run.is_driver:
         report.resumed_from = f"step {run.start_step}" if run.start_step else None
         log.info("start-up summary:\n  " + "\n  ".join(report.lines()))
@@ -235,14 +239,21 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
         except CheckpointError as e:
             raise preflight_error(SetupError(f"model.load: {e}")) from None
     driver = parallel.is_main()
-    servers = _start_sglang(cfg, hf_dir) if cfg.rollout.engine == "sglang" else None
     offloads = cfg.rollout.colocate and cfg.actor.offload_when_idle
-    engine = servers.engine if servers is not None else _embedded_engine(actor, hf_dir, report, offloads) if driver else None
+    if offloads:  # the engine sizes its memory with the actor asleep, as it will generate
+        actor.sleep()
+    report.actor_bytes_at_engine_start = sum(actor.device_bytes().values())
+    servers = _start_sglang(cfg, hf_dir) if cfg.rollout.engine == "sglang" else None
     if servers is not None:
+        engine = servers.engine
         report.engine = f"sglang ({len(servers.owned)} server(s) started by this rank)"
+    else:
+        engine = _embedded_engine(actor, cfg.model, report, offloads) if driver else None
     return RunState(
         cfg=cfg, actor=actor, tokenizer=tokenizer, engine=engine,
-        phases=Phases(actor, engine, cfg.rollout.colocate, cfg.actor.offload_when_idle),
+        phases=Phases(actor, engine, cfg.rollout.colocate, cfg.actor.offload_when_idle,
+                      probe=WeightProbe.for_actor(actor.spec.vocab_size, param_dtype(cfg.model))
+                      if cfg.rollout.weight_sync_probe else None),
         prompts=_train_iterator(cfg, tokenizer, fmt, report) if driver else None,
         val_prompts=load_val_prompts(cfg, tokenizer, fmt, report) if driver else [],
         writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver),
@@ -266,20 +277,23 @@ def _start_sglang(cfg: Config, hf_dir: str):
                              dtype=dtype)
 
 
-def _embedded_engine(actor: Actor, hf_dir: str, report: StartupReport, offloads_weights: bool) -> RolloutEngine:
+def _embedded_engine(actor: Actor, model_cfg: ModelConfig, report: StartupReport,
+                     offloads_weights: bool) -> RolloutEngine:
     """On the actor's own weights when they can be shared (shared_weights.py) and stay in place while the
     engine generates, else from hf_dir."""
     from megatron_dapo.loop.shared_weights import can_share, model_on_actor_weights
     from megatron_dapo.rollout.embedded import EmbeddedEngine
 
-    if not can_share(actor):
-        report.engine = f"embedded, its own float32 copy of the weights (from {hf_dir})"
-        return EmbeddedEngine(hf_dir)
+    hf_dir, dtype = model_cfg.hf_dir, param_dtype(model_cfg)
+    own = f"its own {str(dtype).removeprefix('torch.')} copy of the weights (from {hf_dir}"
+    if not can_share(actor, dtype):
+        report.engine = f"embedded, {own})"
+        return EmbeddedEngine(hf_dir, device=parallel.device(), dtype=dtype)
     if offloads_weights:  # the actor's weights leave memory while the engine generates: no aliasing
-        report.engine = (f"embedded, its own float32 copy of the weights (from {hf_dir}; the actor offloads "
-                         "while it generates: actor.offload_when_idle=false shares the actor's weights)")
-        return EmbeddedEngine(hf_dir)
+        report.engine = (f"embedded, {own}; the actor offloads while it generates: actor.offload_when_idle=false "
+                         "shares the actor's weights)")
+        return EmbeddedEngine(hf_dir, device=parallel.device(), dtype=dtype)
     model, shared = model_on_actor_weights(actor, hf_dir)
     total = sum(p.numel() for p in model.parameters())
     report.engine = f"embedded, on the actor's weights ({shared / 1e6:.2f}M of {total / 1e6:.2f}M parameters shared)"
-    return EmbeddedEngine(model, borrowed=actor.module.parameters())
+    return EmbeddedEngine(model, device=parallel.device(), dtype=dtype, borrowed=actor.module.parameters())

@@ -258,6 +258,12 @@ class RolloutEngine(ABC):
         For the phase ledger: what the colocated engine occupies next to the actor."""
         return {}
 
+    def score(self, token_ids: Sequence[int], start: int) -> list[list[float]]:
+        """Teacher-forced log p(token t | tokens < t) at temperature 1 for t = start .. len - 1, once per
+        model copy the engine drives (each server of a group): the weight-sync probe compares them with
+        the actor's."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score tokens")
+
     @abstractmethod
     def abort(self) -> None:
         """Drop unfinished requests; their generate call raises GenerationAborted."""

@@ -97,11 +97,15 @@ class EmbeddedEngine(RolloutEngine):
     `fast_path`: None = the Llama-family decoder when the model supports it, else the generic one.
     `borrowed`: tensors whose memory another component owns (the actor's, when the model is built on its
     weights): the engine's parameters on that memory are neither released by sleep() nor counted as its own.
+    `weights_backup`: sleep() keeps a host copy of the weights (SGLang's --enable-weights-cpu-backup); without
+    it their content is lost (NaN when they come back), as CUDA's memory saver loses a paused region, so
+    released weights must be synced again before generating.
     """
 
     def __init__(self, model: PreTrainedModel | str | Path, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, max_batch_tokens: int = 1 << 17,
-                 fast_path: bool | None = None, borrowed: Iterable[Tensor] = ()) -> None:
+                 fast_path: bool | None = None, borrowed: Iterable[Tensor] = (),
+                 weights_backup: bool = False) -> None:
         if isinstance(model, (str, Path)):
             model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
         if max_batch_tokens < 1:
@@ -125,6 +129,7 @@ class EmbeddedEngine(RolloutEngine):
         self._closed = False
         self._released: set[str] = set()  # memory tags released by sleep()
         self._offload = HostOffload()  # the weights while released
+        self.weights_backup = weights_backup
         self._spare: SlotDecoder | WaveDecoder | None = None  # a closed stream's decoder (its KV memory)
 
     # ---------------------------------------------------------------------------------- generate
@@ -236,14 +241,14 @@ class EmbeddedEngine(RolloutEngine):
                     param.copy_(tensor)
 
     def sleep(self, tags: Sequence[str] | None = None) -> None:
-        """"weights": their storage moves to a host copy (also on CPU: a distinct allocation), the
-        device's cache allocator is emptied; "kv_cache": nothing is held between calls to release."""
+        """"weights": their storage is freed (also on CPU), kept in a host copy only with weights_backup,
+        the device's cache allocator is emptied; "kv_cache": nothing is held between calls to release."""
         with self._busy:
             self._check_open()
             tags = set(check_tags(tags)) - self._released
             self._spare = None  # a kept stream decoder's KV cache
             if "weights" in tags:
-                self._offload.offload({"weights": self._own})
+                self._offload.offload({"weights": self._own}, lose=() if self.weights_backup else ("weights",))
                 if self.device.type != "cpu":
                     getattr(torch, self.device.type).empty_cache()
             self._released |= tags
@@ -255,6 +260,16 @@ class EmbeddedEngine(RolloutEngine):
             if "weights" in tags:
                 self._offload.reload()
             self._released -= tags
+
+    def score(self, token_ids: Sequence[int], start: int) -> list[list[float]]:
+        if not 1 <= start < len(token_ids):
+            raise ValueError(f"score: start={start} must be in [1, {len(token_ids)})")
+        with self._busy, torch.no_grad():
+            self._check_ready()
+            self._check_vocab([token_ids])
+            ids = torch.tensor([list(token_ids)], device=self.device)
+            logp = self.model(ids).logits[0, start - 1:-1].float().log_softmax(-1)
+            return [logp.gather(-1, ids[0, start:, None]).squeeze(-1).tolist()]
 
     def resident_bytes(self) -> dict[str, int]:
         """The weights' bytes on the device ("kv_cache": 0, it is allocated inside generate() only)."""

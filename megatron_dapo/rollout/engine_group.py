@@ -171,6 +171,9 @@ class EngineGroup(RolloutEngine):
         """The first engine's: the one on the driver's devices, next to its actor shard."""
         return self.engines[0].resident_bytes()
 
+    def score(self, token_ids: Sequence[int], start: int) -> list[list[float]]:
+        return [lp for scored in self._all(lambda e: e.score(token_ids, start), "score") for lp in scored]
+
     def abort(self) -> None:
         self._all(lambda e: e.abort(), "abort")
 

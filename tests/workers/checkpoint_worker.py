@@ -8,6 +8,8 @@ poison:    an infinite learning rate: the update stops with NonFiniteWeightsErro
            of the poisoned weights is written.
 format:    a saved checkpoint holds no pickle of ours; a crafted pickle next to / instead of the
            trainer state is never unpickled.
+te_extra_state: a model whose sharded state dict asks for Transformer Engine's `_extra_state` objects loads
+           a checkpoint written with the local spec (which has none).
 """
 
 import os
@@ -103,6 +105,27 @@ def main() -> None:
         except CheckpointError as e:
             result["old_error"] = str(e)
         result["pwned"] = marker.exists()
+    if case == "te_extra_state":
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor)
+        train_once(actor, batch)
+        path = save_checkpoint(actor, root, step=1)  # the local spec: no _extra_state in the checkpoint
+        te_like = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor)
+        local = te_like.module.sharded_state_dict
+
+        def with_extra_state(*args, **kwargs):  # what Transformer Engine's linear / norm modules add
+            sd = local(*args, **kwargs)
+            for name in [k.removesuffix(".weight") for k in sd if k.endswith("linear_qkv.weight")]:
+                key = f"{name}._extra_state"
+                sd[key] = ShardedObject(key, None, (1,), (0,), replica_id=0)
+            return sd
+
+        te_like.module.sharded_state_dict = with_extra_state
+        load_checkpoint(te_like, path)
+        result["same_params"] = all(torch.equal(a, b) for a, b in zip(params(actor).values(),
+                                                                       params(te_like).values()))
+        result["extra_keys"] = sum(k.endswith("._extra_state") for k in with_extra_state())
     torch.save(result, out / f"rank_{parallel.global_rank()}.pt")
     parallel.destroy()
 

@@ -37,6 +37,7 @@ log's last lines. Nothing here waits without a bound.
 from __future__ import annotations
 
 import itertools
+import math
 import shutil
 import tempfile
 import threading
@@ -170,6 +171,16 @@ class SGLangEngine(SGLangServer, RolloutEngine):
             raise EngineStateError(f"SGLang engine {self.url} is asleep: call wake() before stream()")
         return SGLangStream(self, concurrency)
 
+    def score(self, token_ids: Sequence[int], start: int) -> list[list[float]]:
+        """/generate with the sequence as the prompt and its input logprobs from `start` (greedy: SGLang
+        reports them at temperature 1)."""
+        if self._released:
+            raise EngineStateError(f"SGLang engine {self.url} is asleep: call wake() before score()")
+        body = {"input_ids": list(token_ids), "return_logprob": True, "logprob_start_len": start,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        entries = self.post("/generate", body)["meta_info"]["input_token_logprobs"][-(len(token_ids) - start):]
+        return [[math.nan if e[0] is None else float(e[0]) for e in entries]]
+
     def abort(self) -> None:
         self._abort.set()
         self.post("/abort_request", {"abort_all": True}, timeout=60)
@@ -265,7 +276,7 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         transport = transport or self.cfg.weight_sync
         if transport not in ("tensor", "distributed", "disk"):
             raise ValueError(f"unknown weight transport {transport!r} (tensor, distributed, disk)")
-        if self.weights_released and self.device == "cuda":
+        if self.weights_released:  # (on CPU too: the shims lose released memory as CUDA does)
             raise EngineStateError(f"SGLang engine {self.url}: its weights are released: wake() them before "
                                    "update_weights()")
         version = str(next(self._versions))

@@ -172,7 +172,7 @@ class BroadcastServers(EngineGroup):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream HF-named tensors to every server: one broadcast per bucket, then flush their caches."""
-        if self._group.device == "cuda" and any(s.weights_released for s in self.servers):
+        if any(s.weights_released for s in self.servers):
             raise EngineStateError(f"SGLang servers {self.url}: wake() them before update_weights()")
         checked = self.servers[0].checked_weights(named_tensors)  # same checkpoint: same names and shapes
         version = str(next(self._versions))

@@ -40,13 +40,66 @@ def patch_device_module() -> None:
     torch.get_device_module = get_device_module
 
 
+WEIGHT_UPDATER = "sglang.srt.managers.scheduler_components.weight_updater"
+
+
+def lose_released_memory(module) -> None:
+    """Make /release_memory_occupation lose what CUDA's memory saver loses: the content of every released
+    region -- the weights (unless --enable-weights-cpu-backup) and the KV cache -- comes back as NaN. Without
+    this the CPU engine's release is a no-op, and a trainer that generates from weights it never synced
+    again after a release passes on CPU and rolls out from garbage on a GPU."""
+    import torch
+
+    cls = module.SchedulerWeightUpdaterManager
+    if getattr(cls.release_memory_occupation, "_megatron_dapo_cpu_patch", False):
+        return
+    original = cls.release_memory_occupation
+
+    @functools.wraps(original)
+    def release_memory_occupation(self, recv_req):
+        out = original(self, recv_req)
+        tags = recv_req.tags or module.GPU_MEMORY_ALL_TYPES
+        runner = self.tp_worker.model_runner
+        lost = []
+        if module.GPU_MEMORY_TYPE_WEIGHTS in tags and not _weights_backup():
+            lost += [p for p in runner.model.parameters() if p.is_floating_point()]
+        if module.GPU_MEMORY_TYPE_KV_CACHE in tags:
+            pool = runner.token_to_kv_pool
+            lost += [t for name in ("k_buffer", "v_buffer", "kv_buffer") for t in (getattr(pool, name, None) or [])]
+        with torch.no_grad():
+            for t in lost:
+                t.fill_(float("nan"))
+        return out
+
+    release_memory_occupation._megatron_dapo_cpu_patch = True
+    cls.release_memory_occupation = release_memory_occupation
+
+
+def _weights_backup() -> bool:
+    from sglang.srt.runtime_context import get_exec
+
+    return bool(get_exec().features.enable_weights_cpu_backup)
+
+
+class _PatchAfterLoad(importlib.abc.Loader):
+    def __init__(self, loader, patch) -> None:
+        self.loader, self.patch = loader, patch
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        self.patch(module)
+
+
 class _CpuShimFinder(importlib.abc.MetaPathFinder):
     def __init__(self) -> None:
         self._patched = False
         self._busy = False
 
     def find_spec(self, fullname, path=None, target=None):
-        if self._busy or fullname not in ("sglang", "sgl_kernel"):
+        if self._busy or fullname not in ("sglang", "sgl_kernel", WEIGHT_UPDATER):
             return None
         self._busy = True  # the checks below import torch; do not re-enter for it
         try:
@@ -57,6 +110,11 @@ class _CpuShimFinder(importlib.abc.MetaPathFinder):
                 self._patched = True
             if fullname == "sglang":
                 return None  # the real sglang loads normally; we only needed the patch first
+            if fullname == WEIGHT_UPDATER:
+                spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+                if spec is not None:
+                    spec.loader = _PatchAfterLoad(spec.loader, lose_released_memory)
+                return spec
             if importlib.machinery.PathFinder.find_spec("sgl_kernel") is not None:
                 return None  # a real sgl_kernel build is installed: use it
             origin = importlib.util.find_spec(STANDIN_MODULE).origin
