@@ -61,52 +61,63 @@ class _Held:
 
 
 class HostOffload:
-    """Offloads groups of tensors to host memory and brings them back; host buffers are reused."""
+    """Offloads named groups of tensors to host memory and brings them back, all or some of them; host
+    buffers are reused."""
 
     def __init__(self) -> None:
-        self._held: list[_Held] = []
-        self._host: dict[int, torch.Tensor] = {}  # slot -> host buffer, reused across sleeps
+        self._held: dict[str, list[_Held]] = {}
+        self._host: dict[tuple[str, int], torch.Tensor] = {}  # (group, slot) -> host buffer, reused
 
     @property
     def offloaded(self) -> bool:
         return bool(self._held)
 
+    @property
+    def offloaded_groups(self) -> set[str]:
+        return set(self._held)
+
     def offload(self, groups: Mapping[str, Iterable[torch.Tensor]], *, drop: Iterable[str] = (),
-                lose: Iterable[str] = ()) -> int:
+                lose: Iterable[str] = (), only: Iterable[str] | None = None) -> int:
         """Free the groups' storages (a copy of their bytes kept on the host unless the group is in `drop`:
         zeros on reload, or in `lose`: NaN on reload, as a CUDA memory saver's paused region comes back
-        without a backup); returns the bytes freed. A second call before `reload` is refused."""
-        if self._held:
-            raise RuntimeError("HostOffload.offload: already offloaded; reload() first")
+        without a backup); returns the bytes freed. `only`: just these groups (a storage two groups share
+        belongs to the first of `groups`). A group offloaded twice before its `reload` is refused."""
         lose = set(lose)
         drop = set(drop) | lose
+        wanted = set(groups) if only is None else set(only)
+        if again := sorted(wanted & set(self._held)):
+            raise RuntimeError(f"HostOffload.offload: {', '.join(again)} already offloaded; reload() first")
         freed = 0
         for name, storages in unique_storages(groups).items():
-            for st in storages:
+            if name not in wanted:
+                continue
+            held = self._held[name] = []
+            for slot, st in enumerate(storages):
                 if not st.resizable():
                     raise RuntimeError(f"HostOffload: a {name} tensor's memory cannot be freed (not "
                                        "resizable, e.g. mmap'd): give it its own storage (own_storage)")
                 n = st.nbytes()
-                host = None if name in drop else self._host_buffer(len(self._held), n, st.device)
+                host = None if name in drop else self._host_buffer((name, slot), n, st.device)
                 if host is not None:
                     host.copy_(_storage_view(st), non_blocking=False)
                 st.resize_(0)
-                self._held.append(_Held(st, n, host, LOST_BYTE if name in lose else 0))
+                held.append(_Held(st, n, host, LOST_BYTE if name in lose else 0))
                 freed += n
         return freed
 
-    def reload(self) -> None:
-        """Reallocate every offloaded storage and restore its bytes (dropped groups: zeros; lost: NaN)."""
-        for held in self._held:
-            held.storage.resize_(held.nbytes)
-            view = _storage_view(held.storage)
-            if held.host is None:
-                view.fill_(held.fill)
-            else:
-                view.copy_(held.host, non_blocking=False)
-        self._held = []
+    def reload(self, only: Iterable[str] | None = None) -> None:
+        """Reallocate the offloaded storages (of `only`'s groups) and restore their bytes (dropped groups:
+        zeros; lost: NaN)."""
+        for name in list(self._held) if only is None else [g for g in only if g in self._held]:
+            for held in self._held.pop(name):
+                held.storage.resize_(held.nbytes)
+                view = _storage_view(held.storage)
+                if held.host is None:
+                    view.fill_(held.fill)
+                else:
+                    view.copy_(held.host, non_blocking=False)
 
-    def _host_buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    def _host_buffer(self, slot: tuple[str, int], nbytes: int, device: torch.device) -> torch.Tensor:
         buf = self._host.get(slot)
         if buf is None or buf.numel() != nbytes:
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")

@@ -26,26 +26,31 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class FakeActor:
-    """The actor's residency API over one real tensor (really offloaded), recording calls."""
+    """The actor's residency API over real tensors (really offloaded), recording calls."""
+
+    STATE = ACTOR_STATE
 
     def __init__(self, events: list[str]):
         self.events, self.state = events, {"weights": [torch.ones(1000)], "main_grads": [torch.zeros(1000)],
                                            "optimizer": [torch.ones(2000)]}
         self.offload, self.module, self.spec = HostOffload(), None, None
 
+    def resident(self):
+        return tuple(c for c in self.STATE if c not in self.offload.offloaded_groups)
+
     @property
     def asleep(self) -> bool:
-        return self.offload.offloaded
+        return not self.resident()
 
-    def sleep(self):
-        if not self.asleep:
-            self.events.append("actor.sleep")
-            self.offload.offload(self.state, drop=("main_grads",))
+    def sleep(self, parts=ACTOR_STATE):
+        if parts := tuple(c for c in parts if c in self.resident()):
+            self.events.append(f"actor.sleep {','.join(parts)}")
+            self.offload.offload(self.state, drop=("main_grads",), only=parts)
 
-    def wake(self):
-        if self.asleep:
-            self.events.append("actor.wake")
-            self.offload.reload()
+    def wake(self, parts=ACTOR_STATE):
+        if parts := tuple(c for c in parts if c not in self.resident()):
+            self.events.append(f"actor.wake {','.join(parts)}")
+            self.offload.reload(only=parts)
 
     def device_bytes(self):
         return device_bytes(self.state, torch.device("cpu"))
@@ -70,8 +75,9 @@ def test_phase_model_table():
     assert list(m) == ["generate", "train", "sync"]
     assert m["generate"].actor == () and m["generate"].engine == ("weights", "kv_cache")
     assert m["train"].actor == ACTOR_STATE and m["train"].engine == () and m["train"].actor_transient
-    assert m["sync"].actor == ACTOR_STATE and m["sync"].engine == ("weights",)
-    assert phase_model(colocate=True, offload_when_idle=False)["generate"].actor == ACTOR_STATE
+    assert m["sync"].actor == ("weights",) and m["sync"].engine == ("weights",)  # weights only, both sides
+    resident = phase_model(colocate=True, offload_when_idle=False)
+    assert resident["generate"].actor == resident["sync"].actor == ACTOR_STATE
     separate = phase_model(colocate=False, offload_when_idle=True)
     assert separate["generate"].actor == ACTOR_STATE and all(not p.engine for p in separate.values())
 
@@ -92,22 +98,24 @@ def test_protocol_order_and_ledger(monkeypatch):
     monkeypatch.setattr(phases_mod, "sync_weights", stream)
     p = phases_mod.Phases(FakeActor(events), engine, colocate=True, offload_when_idle=True)
 
+    everything = "weights,main_grads,optimizer"
     p.generate()
-    assert events == ["actor.sleep", "engine.wake None"]  # from all-resident: only the actor moves
+    assert events == [f"actor.sleep {everything}", "engine.wake None"]  # from all-resident: the actor leaves
     assert p.actor.asleep and engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2, seed=0))
     events.clear()
     p.train()
-    assert events == ["engine.sleep None", "actor.wake"]  # the engine leaves first
+    assert events == ["engine.sleep None", f"actor.wake {everything}"]  # the engine leaves first
     with pytest.raises(EngineStateError, match="asleep"):
         engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2))
     events.clear()
     p.sync(1)
-    # weights back without the KV cache, streamed into, then the actor leaves before the KV cache returns
-    assert events == ["engine.sleep ['kv_cache']", "engine.wake ('weights',)", f"stream (engine weights {weights})",
-                      "actor.sleep", "engine.wake None"]
+    # the actor keeps only its weights, the engine's weights come back without the KV cache and are streamed
+    # into; then the actor's weights leave before the KV cache returns
+    assert events == ["engine.sleep ['kv_cache']", "actor.sleep main_grads,optimizer", "engine.wake ('weights',)",
+                      f"stream (engine weights {weights})", "actor.sleep weights", "engine.wake None"]
     led = p.ledger
     assert led["memory/actor_bytes_generate"] == 0 and led["memory/actor_asleep_in_generate"] == 1.0
-    assert led["memory/actor_bytes_train"] == led["memory/actor_bytes_sync"] == 4 * 4000
+    assert led["memory/actor_bytes_train"] == 4 * 4000 and led["memory/actor_bytes_sync"] == 4 * 1000
     assert led["memory/engine_bytes_train"] == 0
     assert led["memory/engine_bytes_sync"] == led["memory/engine_bytes_generate"] == weights
     assert engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2, seed=0))
@@ -160,8 +168,9 @@ def test_no_rank_takes_memory_before_every_rank_released_it(tmp_path):
     resumed = times(0, "engine_resuming weights,kv_cache")  # generate: the KV cache comes back
     assert len(released) == 1 and len(resumed) == 2
     for rank in (0, 1):
-        woke, slept = times(rank, "actor_waking"), times(rank, "actor_slept")
-        assert len(woke) == 1 and len(slept) == 2, events[rank]
+        woke = times(rank, "actor_waking weights,main_grads,optimizer")  # train
+        slept = [times(rank, f"actor_slept {c}")[0] for c in ("weights,main_grads,optimizer", "weights")]
+        assert len(woke) == 1, events[rank]
         assert woke[0] >= released[0], (rank, woke, released)
         assert resumed[0] >= slept[0] and resumed[1] >= slept[1], (rank, resumed, slept)
 
@@ -242,7 +251,7 @@ def test_colocated_run_ledger_matches_the_plan(base_dir, tmp_path, python_env):
     assert last["memory/actor_bytes_generate"] == 0
     assert last["memory/engine_bytes_train"] == 0  # released while the actor trains
     assert 0 < last["memory/engine_bytes_sync"] <= last["memory/engine_bytes_generate"]
-    assert last["memory/actor_bytes_train"] == last["memory/actor_bytes_sync"] > 0
+    assert 0 < last["memory/actor_bytes_sync"] < last["memory/actor_bytes_train"]  # sync: the weights only
     plan = planned(base_dir)
     for name in ("generate", "train", "sync"):  # the actor's state, as the planner sized it per phase
         state = sum(v for c, v in plan.phase(name).actor.items() if c in ACTOR_STATE)

@@ -12,6 +12,7 @@ logprobs to a second model's, sleep/wake/abort/health, and a kill -9 that must f
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -334,12 +335,42 @@ def test_weight_update_rejects_unknown_names_and_shapes(engine):
 
 @pytest.mark.sglang
 @SGLANG_TIMEOUT
-def test_sleep_wake_abort_health(engine):
+def test_score_is_teacher_forced_logprobs(engine, hf):
+    """The weight-sync probe's engine side: input-token logprobs at T=1 == the HF forward's."""
+    from sglang_support import _teacher_forced
+
+    tokens = [5, 6, 7, 17, 33, 65, 129, 200, 3, 9]
+    (scored,) = engine.score(tokens, 4)
+    assert len(scored) == 6
+    assert (torch.tensor(scored) - _teacher_forced(hf["a"], tokens[:4], tokens[4:])).abs().max() <= 1e-4
+
+
+@pytest.mark.sglang
+@SGLANG_TIMEOUT
+def test_released_weights_are_lost_until_synced_again(engine, hf):
+    """The CPU shim loses a released region as CUDA's memory saver does (no --enable-weights-cpu-backup):
+    after sleep + wake the weights are NaN, updates into released weights are refused, and a full weight
+    update brings the model back exactly."""
+    tokens = [5, 6, 7, 17, 33, 65, 129, 200]
+    engine.sleep()
+    with pytest.raises(EngineStateError, match="released"):
+        engine.update_weights(hf["a"].state_dict().items(), transport="tensor")
+    engine.wake()
+    assert all(math.isnan(x) for x in engine.score(tokens, 4)[0])
+    engine.update_weights(hf["a"].state_dict().items(), transport="tensor")
+    groups = engine.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True))
+    assert _max_logprob_diff(hf["a"], groups) <= 1e-4
+
+
+@pytest.mark.sglang
+@SGLANG_TIMEOUT
+def test_sleep_wake_abort_health(engine, hf):
     assert engine.health()
     engine.sleep()
     with pytest.raises(EngineStateError, match="asleep"):
         engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2))
     engine.wake()
+    engine.update_weights(hf["a"].state_dict().items(), transport="tensor")  # released weights are lost
     assert engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2))[0][0].response_ids
 
     box: dict = {}

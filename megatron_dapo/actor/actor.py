@@ -128,7 +128,7 @@ class Actor:
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token logprobs and entropies [B, S] of `batch` under the current policy (all ranks), at the
         rollout's temperature unless `temperature` is given."""
-        self._check_awake()
+        self._check_awake(("weights",))
         micro = micro_batches(batch, self.cfg.logprob_micro_batch_tokens)
         out_lp = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         out_ent = torch.zeros_like(out_lp)
@@ -252,25 +252,33 @@ class Actor:
         """Bytes of each state component resident on this rank's device now (0 for all while asleep)."""
         return device_bytes(self.state_tensors(), parallel.device())
 
+    def resident(self) -> tuple[str, ...]:
+        """The state components on this rank's device now (the others are in host memory)."""
+        return tuple(c for c in self.STATE if c not in self._offload.offloaded_groups)
+
     @property
     def asleep(self) -> bool:
-        return self._offload.offloaded
+        """Nothing of the actor's state on the device."""
+        return not self.resident()
 
-    def sleep(self) -> None:
-        """Free the device for the rollout engine: weights and optimizer state go to host memory, the
-        main grads are dropped (every update starts from zeroed grads). Same code on CPU and GPU."""
-        if self.asleep:
+    def sleep(self, parts: tuple[str, ...] = STATE) -> None:
+        """Free the device of `parts` (default all, for the rollout engine): weights and optimizer state go to
+        host memory, the main grads are dropped (every update starts from zeroed grads). Same code on CPU
+        and GPU."""
+        parts = tuple(p for p in parts if p in self.resident())
+        if not parts:
             return
-        self._offload.offload(self.state_tensors(), drop=("main_grads",))
+        self._offload.offload(self.state_tensors(), drop=("main_grads",), only=parts)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def wake(self) -> None:
-        self._offload.reload()
+    def wake(self, parts: tuple[str, ...] = STATE) -> None:
+        self._offload.reload(only=parts)
 
-    def _check_awake(self) -> None:
-        if self.asleep:
-            raise RuntimeError("actor is asleep (rollout phase): call wake() before computing")
+    def _check_awake(self, needs: tuple[str, ...] = STATE) -> None:
+        if missing := [p for p in needs if p not in self.resident()]:
+            raise RuntimeError(f"actor's {', '.join(missing)} are in host memory (rollout phase): call wake() "
+                               "before computing")
 
 
 def _torch_optimizers(opt: Any) -> list[torch.optim.Optimizer]:

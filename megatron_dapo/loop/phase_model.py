@@ -8,7 +8,9 @@ So plan and trainer cannot disagree about what shares a GPU when. Plain data: no
               actor.offload_when_idle (else its state stays resident)
     train     pi_old and the updates: the actor's state + activations; the engine has released all
     sync      the engine's weights are back (its KV cache not yet) and take the actor's new weights,
-              streamed bucket by bucket; then the protocol goes on to generate
+              streamed bucket by bucket; the actor holds its weights only (its optimizer state and main
+              grads are not needed to export weights: in host memory when actor.offload_when_idle); then
+              the protocol goes on to generate
 """
 
 from __future__ import annotations
@@ -41,13 +43,13 @@ class Phase:
 def phase_model(*, colocate: bool, offload_when_idle: bool) -> dict[str, Phase]:
     """The protocol for a config: rollout.colocate, actor.offload_when_idle. Without colocation the
     engine lives on other devices (nothing of it on the actor's) and the actor never moves."""
-    idle = () if colocate and offload_when_idle else ACTOR_STATE
+    moves = colocate and offload_when_idle
 
     def engine(*parts: str) -> tuple[str, ...]:
         return parts if colocate else ()
 
     return {
-        "generate": Phase(name="generate", actor=idle, engine=engine(*ENGINE_STATE)),
+        "generate": Phase(name="generate", actor=() if moves else ACTOR_STATE, engine=engine(*ENGINE_STATE)),
         "train": Phase(name="train", actor=ACTOR_STATE, engine=(), actor_transient=ACTOR_TRANSIENT),
-        "sync": Phase(name="sync", actor=ACTOR_STATE, engine=engine("weights")),
+        "sync": Phase(name="sync", actor=("weights",) if moves else ACTOR_STATE, engine=engine("weights")),
     }

@@ -44,8 +44,9 @@ class Phases:
     probe: WeightProbe | None = None
     ledger: dict[str, float] = field(default_factory=dict)
     transitions: deque = field(default_factory=lambda: deque(maxlen=64))
-    """(time.monotonic(), event) of this rank's last moves: a release when it has returned (actor_slept,
-    engine_released <tags>), a retake when it starts (actor_waking, engine_resuming <tags>)."""
+    """(time.monotonic(), event) of this rank's last moves: a release when it has returned (actor_slept
+    <components>, engine_released <tags>), a retake when it starts (actor_waking <components>,
+    engine_resuming <tags>)."""
 
     def __post_init__(self) -> None:
         self.model = phase_model(colocate=self.colocate, offload_when_idle=self.offload_when_idle)
@@ -89,13 +90,14 @@ class Phases:
             self._note(f"engine_released {','.join(released)}")
         if "weights" in released:
             self.engine_weights_lost = True
-        if not phase.actor_on_device and not self.actor.asleep:
-            self.actor.sleep()
-            self._note("actor_slept")
+        resident = self.actor.resident()
+        if leaving := tuple(c for c in resident if c not in phase.actor):
+            self.actor.sleep(leaving)
+            self._note(f"actor_slept {','.join(leaving)}")
         parallel.barrier()
-        if phase.actor_on_device and self.actor.asleep:
-            self._note("actor_waking")
-            self.actor.wake()
+        if coming := tuple(c for c in phase.actor if c not in resident):
+            self._note(f"actor_waking {','.join(coming)}")
+            self.actor.wake(coming)
         if moves_engine and phase.engine:
             self._note(f"engine_resuming {','.join(phase.engine)}")
             self.engine.wake(None if set(phase.engine) == set(ENGINE_STATE) else phase.engine)

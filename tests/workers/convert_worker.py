@@ -6,6 +6,7 @@ checkpoint's hf/) to OUT_DIR/hf_export, and optionally write a training checkpoi
     torchrun --nproc_per_node N tests/workers/convert_worker.py CKPT OUT_DIR TP PP [TRAIN_CKPT_ROOT]
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ def main() -> None:
     quiet_third_party()
     cfg = Config()
     cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel = tp, pp
-    cfg.model.dtype = "float32"
+    cfg.model.dtype = os.environ.get("DAPO_TEST_DTYPE", "float32")
     parallel.initialize(cfg.parallel, seed=3)
     spec = spec_from_hf(load_hf_config(ckpt / HF_SUBDIR))
     actor = Actor(spec, cfg.model, cfg.parallel, cfg.actor)  # random init, then overwritten

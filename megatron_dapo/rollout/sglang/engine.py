@@ -172,11 +172,13 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         return SGLangStream(self, concurrency)
 
     def score(self, token_ids: Sequence[int], start: int) -> list[list[float]]:
-        """/generate with the sequence as the prompt and its input logprobs from `start` (greedy: SGLang
-        reports them at temperature 1)."""
+        """/generate with the sequence as the prompt and its input logprobs (greedy: SGLang reports them at
+        temperature 1). SGLang gives the first position of its logprob window none: the window opens one early."""
         if self._released:
             raise EngineStateError(f"SGLang engine {self.url} is asleep: call wake() before score()")
-        body = {"input_ids": list(token_ids), "return_logprob": True, "logprob_start_len": start,
+        if not 1 <= start < len(token_ids):
+            raise ValueError(f"score: start={start} must be in [1, {len(token_ids)})")
+        body = {"input_ids": list(token_ids), "return_logprob": True, "logprob_start_len": start - 1,
                 "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
         entries = self.post("/generate", body)["meta_info"]["input_token_logprobs"][-(len(token_ids) - start):]
         return [[math.nan if e[0] is None else float(e[0]) for e in entries]]
