@@ -14,6 +14,7 @@ from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
 from megatron_dapo.actor.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_dapo.actor.model import UnsupportedModelError, param_dtype
+from megatron_dapo.algo.policy_losses import policy_loss_spec
 from megatron_dapo.cli import preflight_error
 from megatron_dapo.config import Config, to_dict
 from megatron_dapo.config.model_checks import read_model_config
@@ -183,6 +184,7 @@ def build_run(cfg: Config) -> RunState:
     choose the checkpoint to resume; build actor, engine, data and metrics; resume."""
     try:  # user inputs that load quickly fail before any process group or model exists
         scorer = Scorer(cfg.reward, cfg.rollout.max_response_len)
+        policy_loss_spec(cfg.algo.policy_loss)  # a user's loss is imported (and refused) here, once
         prompt_format = PromptFormat.from_files(cfg.data.prompt_template, cfg.data.system_prompt,
                                                 cfg.data.few_shot_path)
     except (RewardLoadError, ValueError, OSError) as e:
@@ -226,7 +228,8 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
            fmt: PromptFormat, report: StartupReport) -> RunState:
     hf_dir = cfg.model.hf_dir
     try:
-        actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature)
+        actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature,
+                              max_response_len=cfg.rollout.max_response_len)
     except (UnsupportedModelError, HFCheckpointError) as e:
         raise SetupError(f"model.hf_dir={hf_dir}: {e}") from None
     if cfg.model.load:
