@@ -318,6 +318,20 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class WandbConfig:
+    enabled: bool = False
+    """Mirror the TensorBoard scalars, the sampled responses (as tables) and the run's config to Weights &
+    Biases (needs `pip install "megatron-dapo[wandb]"`). TensorBoard stays on and is the source of truth."""
+    project: str = "megatron-dapo"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (user or team); None = the account's default."""
+    mode: Literal["online", "offline"] = "online"
+    """online = stream to the W&B server (needs a login: WANDB_API_KEY); offline = write the run under
+    <tensorboard_dir>/<run_name>/wandb/ only, for `wandb sync` later (no network needed)."""
+
+
+@dataclass(kw_only=True)
 class LoggingConfig:
     run_name: str = "dapo"
     """Names the run's checkpoint and TensorBoard folders."""
@@ -332,6 +346,7 @@ class LoggingConfig:
     many steps (0 = never); every evaluation writes its own there too."""
     samples_per_step: int = 32
     """Responses per split (train / val) in each samples file; the first 4 also go to TensorBoard text."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass(kw_only=True)

@@ -33,6 +33,7 @@ from megatron_dapo.metrics import Alarms, MetricsWriter, PhaseTimer
 from megatron_dapo.reward import RewardLoadError, Scorer
 from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.types import Group, Prompt
+from megatron_dapo.wandb_mirror import import_wandb
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +186,8 @@ def build_run(cfg: Config) -> RunState:
     try:  # user inputs that load quickly fail before any process group or model exists
         scorer = Scorer(cfg.reward, cfg.rollout.max_response_len)
         policy_loss_spec(cfg.algo.policy_loss)  # a user's loss is imported (and refused) here, once
+        if cfg.logging.wandb.enabled:
+            import_wandb()
         prompt_format = PromptFormat.from_files(cfg.data.prompt_template, cfg.data.system_prompt,
                                                 cfg.data.few_shot_path)
     except (RewardLoadError, ValueError, OSError) as e:
@@ -248,7 +251,8 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
         phases=Phases(actor, engine, cfg.rollout.colocate, cfg.actor.offload_when_idle),
         prompts=_train_iterator(cfg, tokenizer, fmt, report) if driver else None,
         val_prompts=load_val_prompts(cfg, tokenizer, fmt, report) if driver else [],
-        writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver),
+        writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver,
+                             wandb=cfg.logging.wandb, run_config=to_dict(cfg)),
         alarms=Alarms(cfg.logging, cfg.rollout.max_response_len),
         ckpt_root=folder, hf_dir=hf_dir, scorer=scorer, servers=servers.owned if servers is not None else [],
         lock=lock)
