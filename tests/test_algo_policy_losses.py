@@ -258,6 +258,8 @@ def test_a_users_loss_is_one_decorated_function():
     torch.testing.assert_close(got_lp.grad, want_lp.grad / 2)
     assert got_lp.grad.abs().sum() > 0
     assert policy_loss_spec("workers.custom_loss:halved_dapo").name == "halved_dapo"
+    with pytest.raises(ValueError, match="no dual clip"):  # not declared by its decorator: refused, not ignored
+        policy_loss(base, old, adv, mask, kind="workers.custom_loss:halved_dapo", clip_ratio_c=3.0)
 
 
 @pytest.mark.parametrize("name, fragment", [

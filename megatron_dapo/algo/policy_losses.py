@@ -80,8 +80,8 @@ class PolicyLossSpec:
     """agg_mode = loss_agg_mode's counts; max_len = global_num_seqs x max_response_len (Dr. GRPO)."""
     scale_advantages_by_std: bool = True
     """Group advantages divided by the group's std (False: Dr. GRPO's centred rewards)."""
-    dual_clip: bool = True
-    """Whether clip_ratio_c applies."""
+    dual_clip: bool = False
+    """Whether the function applies clip_ratio_c (else a clip_ratio_c is refused)."""
     ratio: Literal["token", "sequence"] | None = None
     """The loss is the clipped surrogate -min(r A, clip(r) A) (dual clip included) of a token ratio or of its
     sequence's ratio: the fused Triton clip kernel computes it. None: only the torch function does."""
@@ -96,9 +96,12 @@ class PolicyLossLoadError(ValueError):
 
 def register_policy_loss(name: str, *, eps_low: float | None = 0.2, eps_high: float = 0.28,
                          normaliser: Normaliser = "agg_mode", scale_advantages_by_std: bool = True,
-                         dual_clip: bool = True, ratio: Literal["token", "sequence"] | None = None,
+                         dual_clip: bool = False, ratio: Literal["token", "sequence"] | None = None,
                          ) -> Callable[[LossFn], LossFn]:
-    """Register `fn` under `name` (see PolicyLossSpec for the options); `fn.policy_loss_spec` is its spec."""
+    """Register `fn` under `name` (see PolicyLossSpec for the options); `fn.policy_loss_spec` is its spec.
+
+    Declare `ratio` only for a function that IS clipped_surrogate of that ratio: on CUDA the fused clip
+    kernel then computes it instead of `fn`."""
 
     def wrap(fn: LossFn) -> LossFn:
         spec = PolicyLossSpec(name, fn, eps_low, eps_high, normaliser, scale_advantages_by_std, dual_clip,
@@ -169,7 +172,7 @@ def token_log_ratio(x: LossInputs) -> torch.Tensor:
     return _masked(x.valid, x.logprobs - x.old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
 
 
-@register_policy_loss("dapo", eps_low=0.2, eps_high=0.28, ratio="token")
+@register_policy_loss("dapo", eps_low=0.2, eps_high=0.28, dual_clip=True, ratio="token")
 def dapo(x: LossInputs) -> TokenTerms:
     """DAPO (Yu et al. 2025, eq. 10): the token-level clipped surrogate with decoupled clip (Clip-Higher),
 
@@ -186,7 +189,7 @@ def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, valid
     return _masked(valid, logprobs - old_logprobs).sum(dim=-1, keepdim=True) / count
 
 
-@register_policy_loss("gspo", eps_low=3e-4, eps_high=4e-4, ratio="sequence")
+@register_policy_loss("gspo", eps_low=3e-4, eps_high=4e-4, dual_clip=True, ratio="sequence")
 def gspo(x: LossInputs) -> TokenTerms:
     """GSPO (Zheng et al. 2025), in its GSPO-token form (eq. 13-14):
 
@@ -206,7 +209,7 @@ def gspo(x: LossInputs) -> TokenTerms:
     return clipped_surrogate(log_ratio, x)
 
 
-@register_policy_loss("cispo", eps_low=None, eps_high=5.0, dual_clip=False)
+@register_policy_loss("cispo", eps_low=None, eps_high=5.0)
 def cispo(x: LossInputs) -> TokenTerms:
     """CISPO (MiniMax-M1, Chen et al. 2025, eq. 4-5): a clipped, detached importance weight times the
     advantage times log pi_theta, so every token keeps a gradient (none is clipped away):
@@ -228,7 +231,7 @@ def cispo(x: LossInputs) -> TokenTerms:
 
 
 @register_policy_loss("dr_grpo", eps_low=0.2, eps_high=0.2, normaliser="max_len",
-                      scale_advantages_by_std=False, ratio="token")
+                      scale_advantages_by_std=False, dual_clip=True, ratio="token")
 def dr_grpo(x: LossInputs) -> TokenTerms:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", eq. 3): PPO's clipped token terms
     with two biases of GRPO removed, the std division of the advantage and the length normalisation:
