@@ -182,8 +182,8 @@ def test_a_training_run_mirrors_to_wandb(tmp_path, python_env):
            "algo.policy_loss=dr_grpo", "logging.wandb.enabled=true", "logging.wandb.mode=offline"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-6000:]
-    assert ("policy loss: dr_grpo (eps_low 0.2, eps_high 0.2, normalised by sequences x "
-            "rollout.max_response_len, advantages not divided by the group std); torch") in r.stderr
+    assert ("policy loss: dr_grpo (eps_low 0.2, eps_high 0.2, token sums / (sequences x "
+            "rollout.max_response_len), advantages not divided by the group std); torch") in r.stderr
     logdir = tmp_path / "tb" / "wb"
     run, tb = read_offline_run(logdir), scalars(logdir)
     steps = by_step(run["history"])

@@ -73,9 +73,10 @@ def policy_loss_line(cfg: Config) -> str:
     a = cfg.algo
     spec = policy_loss_spec(a.policy_loss)
     low, high = clip_range(spec, a.eps_low, a.eps_high)
-    norm = "sequences x rollout.max_response_len" if spec.normaliser == "max_len" else a.loss_agg_mode
+    norm = "token sums / (sequences x rollout.max_response_len)" if spec.normaliser == "max_len" \
+        else a.loss_agg_mode
     advantages = "" if spec.scale_advantages_by_std else ", advantages not divided by the group std"
-    return (f"{a.policy_loss} (eps_low {low:g}, eps_high {high:g}, normalised by {norm}{advantages}); "
+    return (f"{a.policy_loss} (eps_low {low:g}, eps_high {high:g}, {norm}{advantages}); "
             f"{loss_path(a.policy_loss, resolve_impl('auto', parallel.device()))}")
 
 

@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 __all__ = ["RunState", "SetupError", "build_run", "config_changes", "load_train_prompts", "load_val_prompts"]
 # Settings a resumed run may change without being "a different run".
 _MAY_CHANGE = ("checkpoint.", "train.steps", "model.load", "logging.tensorboard_dir", "logging.run_name",
-               "rollout.sglang.base_port", "rollout.sglang.startup_timeout_s", "rollout.sglang.request_timeout_s")
+               "logging.wandb.", "rollout.sglang.base_port", "rollout.sglang.startup_timeout_s",
+               "rollout.sglang.request_timeout_s")
 
 
 @dataclass
