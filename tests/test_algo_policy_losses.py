@@ -276,3 +276,17 @@ def test_a_name_cannot_be_taken_twice():
     with pytest.raises(PolicyLossLoadError, match="registered already"):
         register_policy_loss("gspo")(lambda x: x)
     assert REGISTRY["gspo"].fn.__name__ == "gspo"
+
+
+def test_the_start_up_summary_names_the_loss_and_where_it_runs():
+    from megatron_dapo.config import load_config
+    from megatron_dapo.loop.startup import policy_loss_line
+
+    def line(*overrides):
+        return policy_loss_line(load_config(None, list(overrides)))
+
+    assert line() == "dapo (eps_low 0.2, eps_high 0.28, token-mean); torch"
+    assert line("algo.policy_loss=gspo", "algo.loss_agg_mode=seq-mean-token-mean") == \
+        "gspo (eps_low 0.0003, eps_high 0.0004, seq-mean-token-mean); torch"
+    assert line("algo.policy_loss=cispo") == "cispo (no lower bound, eps_high 5, token-mean); torch"
+    assert line("algo.policy_loss=dr_grpo").startswith("dr_grpo (eps_low 0.2, eps_high 0.2, token sums / (sequences")

@@ -76,7 +76,8 @@ def policy_loss_line(cfg: Config) -> str:
     norm = "token sums / (sequences x rollout.max_response_len)" if spec.normaliser == "max_len" \
         else a.loss_agg_mode
     advantages = "" if spec.scale_advantages_by_std else ", advantages not divided by the group std"
-    return (f"{a.policy_loss} (eps_low {low:g}, eps_high {high:g}, {norm}{advantages}); "
+    clip = f"eps_low {low:g}, " if spec.eps_low is not None or a.eps_low is not None else "no lower bound, "
+    return (f"{a.policy_loss} ({clip}eps_high {high:g}, {norm}{advantages}); "
             f"{loss_path(a.policy_loss, resolve_impl('auto', parallel.device()))}")
 
 
