@@ -38,8 +38,13 @@ setup(
         # triton: the kernel tests run the Triton kernels in its CPU interpreter and compile them for
         # sm_80/sm_90; they pass with 3.7.1 (what torch 2.13's CUDA wheel pins), 3.8.0 and 3.9.0; 3.6.0's
         # interpreter fails them (TypeError on numpy 2 arrays).
-        "dev": ["pytest>=9.0,<10", "hypothesis>=6.155,<7", "pytest-timeout>=2.4,<3", "triton>=3.7.1,<3.10"],
+        # math / wandb: the tests of reward.name=math_verify and logging.wandb (offline) need them, so dev
+        # takes them too; neither pulls in another torch (checked with pip install --dry-run here).
+        "dev": ["pytest>=9.0,<10", "hypothesis>=6.155,<7", "pytest-timeout>=2.4,<3", "triton>=3.7.1,<3.10",
+                "math-verify>=0.9.0,<0.10", "wandb>=0.31.0,<0.32"],
         "triton": ["triton>=3.7.1,<3.10"],
+        "math": ["math-verify>=0.9.0,<0.10"],  # reward.name=math_verify (Hugging Face's math-verify)
+        "wandb": ["wandb>=0.31.0,<0.32"],  # logging.wandb: W&B beside TensorBoard
         # CUDA only; they pin their own torch/CUDA stacks. Never install PyPI's `apex` (unrelated).
         # sglang: 0.5.23 is what tools/sglang_venv.sh installs and the sglang tier runs; transformer-engine:
         # the range megatron-core 0.16 is developed against (not installable here: needs CUDA to build).

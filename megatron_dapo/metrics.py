@@ -1,5 +1,5 @@
 """TensorBoard scalars (the paper's §4.3 dashboard), alarms, an end-of-run PNG of the dynamics, phase timers
-and the progress bar."""
+and the progress bar; optionally the same scalars and samples mirrored to W&B (wandb_mirror.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_dapo.config import LoggingConfig
+from megatron_dapo.config import LoggingConfig, WandbConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,20 +64,27 @@ class Alarms:
 
 
 class MetricsWriter:
-    """Writes scalars on the main rank only; keeps the history for the summary plot."""
+    """Writes scalars on the main rank only; keeps the history for the summary plot. With `wandb` enabled
+    the same scalars and samples, and `run_config`, also go to a W&B run named after the folder."""
 
-    def __init__(self, logdir: str | Path, enabled: bool = True):
+    def __init__(self, logdir: str | Path, enabled: bool = True, *, wandb: WandbConfig | None = None,
+                 run_config: dict[str, Any] | None = None):
         self.logdir = Path(logdir)
         self.enabled = enabled
         self.history: dict[str, dict[int, float]] = defaultdict(dict)
         """tag -> step -> value (a replayed step overwrites)."""
         self._writer = None
+        self._wandb = None
         self._sample_steps: set[int] = set()
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
             self.logdir.mkdir(parents=True, exist_ok=True)
             self._writer = SummaryWriter(str(self.logdir))
+            if wandb is not None and wandb.enabled:
+                from megatron_dapo.wandb_mirror import WandbMirror
+
+                self._wandb = WandbMirror(wandb, self.logdir, self.logdir.name, run_config or {})
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         if not self.enabled:
@@ -87,6 +94,8 @@ class MetricsWriter:
             self._writer.add_scalar(tag, value, step)
             self.history[tag][step] = value
         self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, {tag: float(v) for tag, v in scalars.items()})
 
     def write_samples(self, step: int, split: str, records: list[dict[str, Any]], text_count: int = 4) -> Path | None:
         """Records as JSON lines in samples/step_<step>.jsonl (a step's first write in this process
@@ -105,6 +114,8 @@ class MetricsWriter:
             f"```\n{r['response']}\n```" for r in records[:text_count])
         self._writer.add_text(f"samples/{split}", text, step)
         self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.log_samples(step, split, records)
         return path
 
     def load_history(self, until_step: int) -> None:
@@ -148,6 +159,8 @@ class MetricsWriter:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 class PhaseTimer:

@@ -16,6 +16,7 @@ from pathlib import Path
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import NonFiniteWeightsError
 from megatron_dapo.actor.checkpoint import CheckpointError, latest_checkpoint, step_dir
+from megatron_dapo.algo.policy_losses import policy_loss_spec
 from megatron_dapo.cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError, print_error, quiet_third_party
 from megatron_dapo.config import Config, ConfigError, build_parser, load_config, to_yaml, validate
 from megatron_dapo.loop import distribute, scalars
@@ -77,12 +78,14 @@ def _steps(run: RunState, stop: StopSignals) -> dict[str, float]:
 def dapo_step(run: RunState, step: int) -> dict[str, float]:
     """One DAPO step: rollout -> rewards -> dynamic sampling -> advantages -> pi_old -> updates -> sync."""
     cfg, timer, t_step = run.cfg, run.timer, time.perf_counter()
+    scale_by_std = policy_loss_spec(cfg.algo.policy_loss).scale_advantages_by_std  # False for Dr. GRPO
     run.phases.generate()
     with timer("rollout"):  # (generation and reward scoring happen round by round, or group by group)
         rollout = collect(run, step) if run.is_driver else None
         parallel.join_driver("rollout")  # the other ranks wait host-side, however long the rollout takes
         rows = distribute.step_rows(rollout, num_mini_batches=run.num_mini_batches,
-                                    overlong_filtering=cfg.algo.overlong_filtering, pad_id=run.tokenizer.pad_token_id or 0)
+                                    overlong_filtering=cfg.algo.overlong_filtering,
+                                    pad_id=run.tokenizer.pad_token_id or 0, scale_by_std=scale_by_std)
     timer.move("rollout", "reward", rollout.reward_seconds if rollout is not None else 0.0)
     run.samples_generated += rows.samples_generated
     out = {"rollout/samples_total": float(run.samples_generated), "rollout/groups_trained": float(rows.groups_trained)}

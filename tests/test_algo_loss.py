@@ -147,6 +147,18 @@ def test_validation():
         policy_loss(x, x, torch.zeros(3), x)
 
 
+GSPO = {"eps_low": 0.03, "eps_high": 0.04}  # GSPO's own 3e-4 would clip every sequence of this batch
+DP_CASES = [
+    ("dapo", {}), ("dapo", {"clip_ratio_c": 1.2, "weighted": True}),
+    ("gspo", GSPO), ("gspo", {**GSPO, "clip_ratio_c": 1.05, "weighted": True}),
+    ("gspo", {**GSPO, "agg_mode": "seq-mean-token-mean"}),
+    ("cispo", {"eps_high": 1.2}), ("cispo", {"eps_high": 1.2, "weighted": True}),
+    ("dr_grpo", {"max_response_len": 40}),
+    ("dr_grpo", {"max_response_len": 40, "clip_ratio_c": 1.2, "weighted": True}),
+]
+"""Every variant, plain and with importance weights (+ dual-clip where it applies)."""
+
+
 def _dp_worker(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
@@ -155,17 +167,19 @@ def _dp_worker(rank: int, world_size: int, port: int) -> None:
         # A shared "model" theta makes logprobs depend on parameters every rank holds, as in DP.
         base, old, adv, mask = random_batch(3, B=10)
         is_w = torch.rand(base.shape, generator=torch.Generator().manual_seed(8), dtype=F64) * 2
-        for kw in ({}, {"clip_ratio_c": 1.2, "is_weights": is_w}):
+        for kind, options in DP_CASES:
+            kw = {k: v for k, v in options.items() if k != "weighted"}
+            kw.update(kind=kind, is_weights=is_w if options.get("weighted") else None)
             theta = torch.zeros(base.shape[1], dtype=F64, requires_grad=True)
             ref_loss, _ = policy_loss(base + theta, old, adv, mask, **kw)
             (ref_grad,) = torch.autograd.grad(ref_loss, theta)
 
             rows = slice(rank * 5, (rank + 1) * 5)
             kw = {k: v[rows] if torch.is_tensor(v) else v for k, v in kw.items()}
-            num_tokens = mask[rows].sum().to(F64)
-            dist.all_reduce(num_tokens)
+            counts = torch.stack([mask[rows].sum(), (mask[rows].sum(-1) > 0).sum()]).to(F64)
+            dist.all_reduce(counts)
             loss, _ = policy_loss(base[rows] + theta, old[rows], adv[rows], mask[rows],
-                                  global_num_tokens=num_tokens, **kw)
+                                  global_num_tokens=counts[0], global_num_seqs=counts[1], **kw)
             loss.backward()
             total = loss.detach().clone()
             dist.all_reduce(total)
@@ -177,6 +191,8 @@ def _dp_worker(rank: int, world_size: int, port: int) -> None:
 
 
 def test_two_rank_gloo_data_parallel_matches_full_batch():
+    """Each rank's share, normalised by the counts all-reduced over the 2 ranks, sums (all-reduce) to the
+    full batch's loss and gradient of a parameter both ranks hold, for every policy-loss variant."""
     run_ranks(_dp_worker)
 
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megatron_dapo.algo.policy_losses import clip_range, policy_loss_spec
 from megatron_dapo.config import (
     Config,
     ConfigError,
@@ -21,7 +22,10 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "examples" / "configs").
 def test_defaults_are_valid_and_dapo():
     cfg = Config()
     validate(cfg, world_size=1)
-    assert (cfg.algo.eps_low, cfg.algo.eps_high) == (0.2, 0.28)
+    assert cfg.algo.policy_loss == "dapo"
+    # unset: the loss's own clip range, DAPO's 0.2 / 0.28
+    assert (cfg.algo.eps_low, cfg.algo.eps_high) == (None, None)
+    assert clip_range(policy_loss_spec("dapo"), cfg.algo.eps_low, cfg.algo.eps_high) == (0.2, 0.28)
     assert cfg.algo.loss_agg_mode == "token-mean"
     assert cfg.algo.kl_coef == 0.0
     assert cfg.algo.dynamic_sampling
@@ -238,3 +242,31 @@ def test_validation_needs_no_heavy_import(python_env, repo_root):
             "assert not heavy, heavy")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_env, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("kind", ["dapo", "gspo", "cispo", "dr_grpo", "my.losses:fancy"])
+def test_policy_losses_parse(kind):
+    assert load_config(None, [f"algo.policy_loss={kind}"]).algo.policy_loss == kind
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["algo.policy_loss=ppo"], "algo.policy_loss='ppo' must be one of dapo, gspo, cispo, dr_grpo or module"),
+    (["algo.policy_loss=cispo", "algo.eps_low=0.2"], "has no lower bound"),
+    (["algo.policy_loss=cispo", "algo.eps_high=0.28"], "caps the weight min(r, eps_high) itself"),
+    (["algo.policy_loss=cispo", "algo.clip_ratio_c=3"], "cispo has no dual clip"),
+    (["algo.policy_loss=dr_grpo", "algo.loss_agg_mode=seq-mean-token-mean"], "does not apply to"),
+])
+def test_policy_loss_settings_are_checked(overrides, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert fragment in str(e.value)
+
+
+def test_each_loss_takes_what_it_uses():
+    cfg = load_config(None, ["algo.policy_loss=cispo", "algo.eps_high=4"])
+    assert clip_range(policy_loss_spec("cispo"), cfg.algo.eps_low, cfg.algo.eps_high) == (0.0, 4.0)
+    cfg = load_config(None, ["algo.policy_loss=gspo", "algo.loss_agg_mode=seq-mean-token-mean",
+                             "algo.clip_ratio_c=3"])
+    assert clip_range(policy_loss_spec("gspo"), cfg.algo.eps_low, cfg.algo.eps_high) == (3e-4, 4e-4)
+    cfg = load_config(None, ["algo.policy_loss=dr_grpo", "algo.eps_low=0.1"])
+    assert clip_range(policy_loss_spec("dr_grpo"), cfg.algo.eps_low, cfg.algo.eps_high) == (0.1, 0.2)

@@ -52,6 +52,13 @@ def _rank(rank, world, port, tp, out_dir):
     fields = ("input_ids", "loss_mask", "advantages", "lengths", "rollout_logprobs", "prompt_index", "response_mask")
     same = {f: bool(torch.equal(getattr(got.batch, f), getattr(want, f))) for f in fields}
     dtypes = {f: getattr(got.batch, f).dtype == getattr(want, f).dtype for f in fields}
+    # Dr. GRPO's advantages (not divided by the group std) travel the same way
+    centred = distribute.step_rows(rollout, num_mini_batches=1, overlong_filtering=True, pad_id=0,
+                                   scale_by_std=False)
+    want_centred = split_rows(build_train_batch(kept, overlong_filtering=True, pad_id=0, scale_by_std=False),
+                              parallel.dp_size())[parallel.dp_rank()]
+    same["centred_advantages"] = bool(torch.equal(centred.batch.advantages, want_centred.advantages)
+                                      and not torch.equal(centred.batch.advantages, want.advantages))
     torch.save({"same": same, "dtypes": dtypes, "groups": got.groups_trained, "samples": got.samples_generated,
                 "total": got.bytes_total, "received": got.bytes_received, "max": distribute.max_received(got),
                 "dp": parallel.dp_size()}, Path(out_dir) / f"rank_{rank}.pt")

@@ -228,3 +228,80 @@ def test_fused_linear_loss_equals_policy_loss(impl):
     torch.testing.assert_close(metrics.clipfrac_low, want_metrics.clipfrac_low)
 
 
+
+
+# ---------------------------------------------------------------- the other policy-loss variants
+VARIANT_KW = {
+    "gspo": {"eps_low": 0.1, "eps_high": 0.05},  # its paper's 3e-4 / 4e-4 would clip every sequence here
+    "cispo": {"eps_low": None, "eps_high": 1.3},
+    "dr_grpo": {"eps_low": None, "eps_high": None, "max_response_len": 8},
+}
+DUAL_C = {"gspo": 1.02, "dr_grpo": 1.1}  # cispo has no dual clip
+VARIANT_CASES = [(k, m) for k in VARIANT_KW for m in ("token-mean", "seq-mean-token-mean")
+                 if k != "dr_grpo" or m == "token-mean"]  # dr_grpo's normaliser is its own
+
+
+@pytest.mark.parametrize("kind, agg_mode", VARIANT_CASES)
+@pytest.mark.parametrize("corrected", [False, True], ids=["plain", "dual-clip+is-weights"])
+def test_loss_from_logprobs_variants_equal_policy_loss(impl, kind, agg_mode, corrected):
+    """Each variant through loss_from_logprobs (the Triton clip kernel for gspo and dr_grpo, torch token terms
+    for cispo) against the torch spec: loss, gradient and every metric. Seed 9's sequence ratios (0.82 to
+    1.12) put GSPO's rows in each clip: high, low, dual and none."""
+    lp, _, old, adv, mask, is_w = oracle_loss_inputs(impl[1], seed=9)
+    kw = {**VARIANT_KW[kind], "agg_mode": agg_mode, "global_num_tokens": 40, "global_num_seqs": 5,
+          "kind": kind, "is_weights": is_w if corrected else None,
+          "clip_ratio_c": DUAL_C.get(kind) if corrected else None}
+    got_lp = lp.clone().requires_grad_()
+    loss, metrics = loss_from_logprobs(got_lp, None, old, adv, mask, impl=impl[0], **kw)
+    loss.backward()
+    want_lp = lp.clone().requires_grad_()
+    pl_kw = {k: v for k, v in kw.items() if k not in ("eps_low", "eps_high")}
+    want, want_metrics = policy_loss(want_lp, old, adv, mask, kw["eps_low"], kw["eps_high"], **pl_kw)
+    want.backward()
+    torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_lp.grad, want_lp.grad, atol=1e-7, rtol=1e-5)
+    for name, value in vars(want_metrics).items():
+        torch.testing.assert_close(getattr(metrics, name), value, atol=1e-6, rtol=1e-6, msg=name)
+    assert 0 < metrics.clipfrac_high, "test data must hit the upper clip (CISPO: the cap)"
+    assert (0 < metrics.clipfrac_low) == (kind != "cispo"), "test data must hit the lower clip"
+    assert (metrics.clipfrac_dual > 0) == (kw["clip_ratio_c"] is not None), "test data must hit the dual clip"
+
+
+def test_loss_path_names_what_runs():
+    from megatron_dapo.kernels.policy_loss import loss_path
+
+    assert loss_path("dapo", "triton") == "fused Triton clip kernel (token ratio)"
+    assert loss_path("dr_grpo", "triton") == "fused Triton clip kernel (token ratio)"
+    assert loss_path("gspo", "triton") == "fused Triton clip kernel (sequence ratio)"
+    assert loss_path("cispo", "triton").startswith("torch token terms")
+    assert loss_path("workers.custom_loss:halved_dapo", "triton").startswith("torch token terms")
+    assert loss_path("gspo", "torch") == "torch"
+
+
+@pytest.mark.parametrize("kind", list(VARIANT_KW))
+def test_fused_paths_pass_the_kind_through(impl, kind):
+    """fused_policy_loss (logits) and fused_linear_policy_loss (hidden + weight) compute the variant."""
+    logits, targets, old, adv, mask = loss_inputs(impl[1], seed=3)
+    kw = {**VARIANT_KW[kind], "global_num_tokens": 40, "kind": kind}
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(4, 6, 16, generator=gen).to(impl[1]).requires_grad_()
+    weight = torch.randn(300, 16, generator=gen).to(impl[1]).requires_grad_()
+    leaf = logits.clone().requires_grad_()
+    got = fused_policy_loss(leaf, targets, old, adv, mask, impl=impl[0], **kw)[0]
+    got_linear = fused_linear_policy_loss(hidden, weight, targets, old, adv, mask, impl=impl[0], **kw)[0]
+    got_grads = torch.autograd.grad(got + got_linear, (leaf, hidden, weight))
+
+    ref = logits.clone().requires_grad_()
+    pl_kw = {k: v for k, v in kw.items() if k not in ("eps_low", "eps_high")}
+    eps = (kw["eps_low"], kw["eps_high"])
+    want = policy_loss(reference_logprobs_and_entropy(ref, targets)[0], old, adv, mask, *eps, **pl_kw)[0]
+    want_linear = policy_loss(reference_logprobs_and_entropy(hidden @ weight.T, targets)[0], old, adv, mask,
+                              *eps, **pl_kw)[0]  # fmt: skip
+    want_grads = torch.autograd.grad(want + want_linear, (ref, hidden, weight))
+    ref_lp = reference_logprobs_and_entropy(logits, targets)[0]
+    dapo = policy_loss(ref_lp, old, adv, mask, global_num_tokens=40)[0]
+    assert not torch.allclose(want, dapo), "the variant must differ from DAPO on this batch"
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_linear, want_linear, atol=1e-6, rtol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -33,12 +33,15 @@ class Actor:
     """One rank's shard of the policy; every rank of a TP/PP/DP layout builds one."""
 
     def __init__(self, spec: ModelSpec, model_cfg: ModelConfig, par_cfg: ParallelConfig, actor_cfg: ActorConfig,
-                 algo: AlgoConfig | None = None, *, temperature: float = 1.0, init_weights: bool = True):
-        """`algo`: the loss settings (clip range, aggregation, entropy bonus; default the paper's).
+                 algo: AlgoConfig | None = None, *, temperature: float = 1.0, init_weights: bool = True,
+                 max_response_len: int | None = None):
+        """`algo`: the loss settings (variant, clip range, aggregation, entropy bonus; default the paper's).
         `temperature`: the rollout's sampling temperature; pi_old and pi_theta use logits / temperature,
-        as the engine does (0 = greedy rollouts: plain logits)."""
+        as the engine does (0 = greedy rollouts: plain logits). `max_response_len`: the rollout's L_max
+        (Dr. GRPO's normaliser)."""
         self.spec, self.cfg = spec, actor_cfg
         self.algo = algo if algo is not None else AlgoConfig()
+        self.max_response_len = max_response_len
         self.temperature = temperature if temperature > 0 else 1.0
         model = build_model(spec, model_cfg, par_cfg, init_weights=init_weights)
         model.config.finalize_model_grads_func = _finalize_grads_unscaled
@@ -54,13 +57,15 @@ class Actor:
 
     @classmethod
     def from_hf(cls, hf_dir: str, model_cfg: ModelConfig, par_cfg: ParallelConfig, actor_cfg: ActorConfig,
-                algo: AlgoConfig | None = None, *, temperature: float = 1.0) -> Actor:
+                algo: AlgoConfig | None = None, *, temperature: float = 1.0,
+                max_response_len: int | None = None) -> Actor:
         """Build the actor for this rank and load its shard of the HF checkpoint in `hf_dir`."""
         from megatron_dapo.actor.hf_io import SafetensorsReader, load_hf_weights
         from megatron_dapo.actor.model import load_hf_config, spec_from_hf
 
         spec = spec_from_hf(load_hf_config(hf_dir))
-        actor = cls(spec, model_cfg, par_cfg, actor_cfg, algo, temperature=temperature, init_weights=False)
+        actor = cls(spec, model_cfg, par_cfg, actor_cfg, algo, temperature=temperature, init_weights=False,
+                    max_response_len=max_response_len)
         load_hf_weights(actor.module, SafetensorsReader(hf_dir), spec)
         actor.weights_loaded()
         return actor
@@ -177,7 +182,8 @@ class Actor:
                 lp, ent, mb.old_logprobs.to(dev), mb.advantages.to(dev), mb.loss_mask.to(dev),
                 eps_low=algo.eps_low, eps_high=algo.eps_high, agg_mode=algo.loss_agg_mode,
                 global_num_tokens=global_tokens, global_num_seqs=global_seqs, entropy_coef=algo.entropy_coef,
-                clip_ratio_c=algo.clip_ratio_c, is_weights=is_weights, impl="auto")
+                clip_ratio_c=algo.clip_ratio_c, is_weights=is_weights, kind=algo.policy_loss,
+                max_response_len=self.max_response_len, impl="auto")
             n = float(m.num_tokens)
             stats.add_(torch.tensor([float(loss.detach()), n, float(m.clipfrac_high) * n, float(m.clipfrac_low) * n,
                                      float(m.clipfrac_dual) * n, float(m.entropy) * n, float(m.approx_kl) * n],

@@ -1,4 +1,4 @@
-"""The DAPO token-level clipped policy loss (eq. 10-12) and the GRPO-style aggregations it replaces.
+"""The policy loss: the DAPO token-level clipped loss (eq. 10-12) by default, or another registered variant.
 
     J = (1 / sum_i |o_i|) sum_i sum_t w_it min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i)
     r_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)
@@ -8,6 +8,9 @@ The loss is -J. Its denominator is the token count of the whole global batch, pa
 ranks sum (all-reduce SUM) to exactly the full-batch loss and gradient. w_it are optional constant
 importance weights (rollout correction, algo/rollout_correction.py), 1 by default; they scale the
 token terms and leave the denominator alone, so the split property holds with them too.
+
+`kind` selects the variant's token terms (algo/policy_losses.py: dapo, gspo, cispo, dr_grpo or a user's
+registered function); the masking, importance weights, global normalisers and metrics here are shared.
 
 Options beyond the paper's eq. 10 (both off by default):
   - dual-clip (Ye et al. 2020, verl's `clip_ratio_c`): for A < 0 the objective is
@@ -22,17 +25,22 @@ from typing import get_args
 
 import torch
 
+from megatron_dapo.algo.policy_losses import (
+    LOG_RATIO_LIMIT,
+    LossInputs,
+    PolicyLossSpec,
+    TokenTerms,
+    clip_range,
+    policy_loss_spec,
+)
 from megatron_dapo.config.schema import LossAggMode as AggMode
 
 AGG_MODES: tuple[str, ...] = get_args(AggMode)
 
 Count = int | float | torch.Tensor
 
-LOG_RATIO_LIMIT = 20.0
-"""log r = log pi_theta - log pi_old is clamped to [-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT] before exp.
-r <= e^20 ~ 4.9e8 keeps r, r * A and the loss finite in fp32 whatever one wild token does. Inside the
-range the loss is exact. Outside it r is held at the bound, so that token's gradient is zero, as for
-a clipped token (torch.clamp passes the gradient on the closed range, the Triton kernel too)."""
+__all__ = ["AGG_MODES", "LOG_RATIO_LIMIT", "AggMode", "Count", "PolicyLossMetrics", "aggregate",
+           "policy_loss", "validate_inputs"]
 
 
 @dataclass
@@ -41,13 +49,15 @@ class PolicyLossMetrics:
 
     Fractions and means are over this call's valid (mask != 0) tokens, whatever their importance
     weight; to combine calls, weight each by its `num_tokens`. Ratios are the clamped ones (see
-    LOG_RATIO_LIMIT).
+    LOG_RATIO_LIMIT) of the variant: GSPO's are each token's sequence ratio s_i, so its clip fractions
+    count the tokens of clipped sequences; CISPO's clipfrac_high counts the tokens whose weight is capped.
     """
 
     clipfrac_high: torch.Tensor
-    """Fraction of tokens whose upper clip is active: A > 0 and r > 1 + eps_high (zero gradient)."""
+    """Fraction of tokens whose upper clip is active: A > 0 and r > 1 + eps_high (zero gradient; CISPO:
+    r > eps_high, its weight capped, the gradient kept)."""
     clipfrac_low: torch.Tensor
-    """Fraction of tokens whose lower clip is active: A < 0 and r < 1 - eps_low (zero gradient)."""
+    """Fraction of tokens whose lower clip is active: A < 0 and r < 1 - eps_low (zero gradient; CISPO: 0)."""
     clipfrac_dual: torch.Tensor
     """Fraction of tokens whose dual clip is active: A < 0 and r > clip_ratio_c (zero gradient);
     0 when dual-clip is off."""
@@ -63,16 +73,18 @@ def policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
+    eps_low: float | None = None,
+    eps_high: float | None = None,
     agg_mode: AggMode = "token-mean",
     global_num_tokens: Count | None = None,
     *,
     global_num_seqs: Count | None = None,
     clip_ratio_c: float | None = None,
     is_weights: torch.Tensor | None = None,
+    kind: str = "dapo",
+    max_response_len: int | None = None,
 ) -> tuple[torch.Tensor, PolicyLossMetrics]:
-    """Clip-higher, token-level policy-gradient loss (to minimise).
+    """The policy-gradient loss of `kind` (to minimise); DAPO's clip-higher token-level loss by default.
 
     Args:
         logprobs: [B, T] log pi_theta of the sampled tokens (carries the gradient).
@@ -80,19 +92,23 @@ def policy_loss(
         advantages: [B] (broadcast to every token of the row) or [B, T].
         mask: [B, T] of 0/1 (float or bool); 1 marks tokens that enter the loss. Values at masked positions of
             the other inputs are ignored, even if they are inf or nan.
-        eps_low, eps_high: the decoupled clip range [1 - eps_low, 1 + eps_high] of the ratio.
+        eps_low, eps_high: the decoupled clip range [1 - eps_low, 1 + eps_high] of the ratio (CISPO: eps_high
+            caps its weight); None = the variant's default (dapo 0.2 / 0.28, gspo 3e-4 / 4e-4, cispo - / 5,
+            dr_grpo 0.2 / 0.2).
         agg_mode: "token-mean" (DAPO): token sum / global_num_tokens.
             "seq-mean-token-mean" (GRPO): sum over rows of (the row's token sum / its valid-token
             count), / global_num_seqs. "seq-mean-token-sum": sum over rows of the row's token sum,
-            / global_num_seqs.
+            / global_num_seqs. Not used by dr_grpo (see max_response_len).
         global_num_tokens: valid-token count of the whole global batch (token-mean only);
             default: this call's mask count.
         global_num_seqs: number of rows with >= 1 valid token in the whole global batch (seq
-            modes only); default: this call's count.
+            modes and dr_grpo); default: this call's count.
         clip_ratio_c: dual-clip bound c > 1: for A < 0 the token loss is capped at -c A (zero gradient
-            beyond it). None (default) is the paper's eq. 10.
+            beyond it). None (default) is the paper's eq. 10. Refused by variants without a dual clip (cispo).
         is_weights: [B, T] constant per-token weights (detached here) multiplying the token loss terms;
             the normalisers above stay valid-token / valid-row counts.
+        kind: the variant (algo/policy_losses.py): dapo, gspo, cispo, dr_grpo or `module.path:function`.
+        max_response_len: dr_grpo's L_max: its loss is the token sum / (global_num_seqs x max_response_len).
 
     A zero denominator (nothing valid anywhere) gives a loss of 0, not nan. The log-ratio is clamped
     to +-LOG_RATIO_LIMIT (see there); callers feed fp32 log-probabilities.
@@ -100,39 +116,25 @@ def policy_loss(
     Returns:
         (loss, metrics): a scalar loss and detached `PolicyLossMetrics`.
     """
+    spec = policy_loss_spec(kind)
+    eps_low, eps_high = clip_range(spec, eps_low, eps_high)
     validate_inputs(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, agg_mode,
-                    clip_ratio_c=clip_ratio_c, is_weights=is_weights)
+                    clip_ratio_c=clip_ratio_c, is_weights=is_weights, spec=spec,
+                    max_response_len=max_response_len)
     valid = mask != 0
     weight = mask.to(logprobs.dtype)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     advantages = advantages.to(logprobs.dtype).expand_as(logprobs)
-
     # where() keeps garbage at padded positions (e.g. -inf logprobs) out of exp() and its gradient.
-    log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
-    log_ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     advantages = torch.where(valid, advantages, torch.zeros_like(advantages))
-    ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    objective = torch.minimum(ratio * advantages, clipped * advantages)
-    dual = _dual_clip_active(ratio.detach(), advantages, clip_ratio_c)
-    if clip_ratio_c is not None:
-        objective = torch.where(dual, clip_ratio_c * advantages, objective)
-    token_loss = -objective * _token_weights(weight, valid, is_weights)
+    inputs = LossInputs(logprobs, old_logprobs.detach(), advantages, valid, eps_low, eps_high, clip_ratio_c)
+    terms = spec.fn(inputs)
+    token_loss = terms.loss * _token_weights(weight, valid, is_weights)
 
-    loss = aggregate(token_loss, weight, valid, agg_mode, global_num_tokens, global_num_seqs)
-    metrics = _metrics(ratio.detach(), log_ratio.detach(), advantages, valid, dual, eps_low, eps_high)
-    return loss, metrics
-
-
-def _dual_clip_active(
-    ratio: torch.Tensor, advantages: torch.Tensor, clip_ratio_c: float | None
-) -> torch.Tensor:
-    """Where the dual clip replaces the objective by c A: A < 0 and r > c (for A < 0 the clipped
-    objective is A max(r, 1 - eps_low), which falls below c A exactly when r > c, as c > 1)."""
-    if clip_ratio_c is None:
-        return torch.zeros_like(ratio, dtype=torch.bool)
-    return (advantages < 0) & (ratio > clip_ratio_c)
+    loss = aggregate(token_loss, weight, valid, agg_mode, global_num_tokens, global_num_seqs,
+                     normaliser=spec.normaliser, max_response_len=max_response_len)
+    return loss, _metrics(terms, valid)
 
 
 def _token_weights(
@@ -155,7 +157,11 @@ def validate_inputs(
     *,
     clip_ratio_c: float | None = None,
     is_weights: torch.Tensor | None = None,
+    spec: PolicyLossSpec | None = None,
+    max_response_len: int | None = None,
 ) -> None:
+    if spec is not None:
+        _spec_problems(spec, clip_ratio_c, max_response_len)
     if agg_mode not in AGG_MODES:
         raise ValueError(f"unknown agg_mode {agg_mode!r}; valid: {', '.join(AGG_MODES)}")
     if not 0.0 <= eps_low < 1.0:
@@ -176,6 +182,15 @@ def validate_inputs(
         )
 
 
+def _spec_problems(spec: PolicyLossSpec, clip_ratio_c: float | None, max_response_len: int | None) -> None:
+    if clip_ratio_c is not None and not spec.dual_clip:
+        raise ValueError(f"policy loss {spec.name!r} has no dual clip: clip_ratio_c must be None, "
+                         f"got {clip_ratio_c}")
+    if spec.normaliser == "max_len" and not (max_response_len is not None and max_response_len >= 1):
+        raise ValueError(f"policy loss {spec.name!r} divides by global_num_seqs x max_response_len: "
+                         f"max_response_len must be >= 1, got {max_response_len}")
+
+
 def _as_denominator(count: Count | None, default: torch.Tensor) -> torch.Tensor:
     value = default if count is None else torch.as_tensor(count)
     return value.to(device=default.device, dtype=default.dtype).clamp(min=1)
@@ -188,11 +203,18 @@ def aggregate(
     agg_mode: str,
     global_num_tokens: Count | None,
     global_num_seqs: Count | None,
+    *,
+    normaliser: str = "agg_mode",
+    max_response_len: int | None = None,
 ) -> torch.Tensor:
-    """[B, T] token losses (zero where invalid) -> the scalar loss of `agg_mode` (see policy_loss).
+    """[B, T] token losses (zero where invalid) -> the scalar loss of `agg_mode` (see policy_loss), or with
+    normaliser="max_len" (Dr. GRPO) the token sum / (global_num_seqs x max_response_len).
 
     `weight` is the 0/1 mask in the loss dtype: its counts are the normalisers.
     """
+    if normaliser == "max_len":
+        num_seqs = valid.any(dim=-1).to(weight.dtype).sum()
+        return token_loss.sum() / (_as_denominator(global_num_seqs, num_seqs) * float(max_response_len))
     if agg_mode == "token-mean":
         return token_loss.sum() / _as_denominator(global_num_tokens, weight.sum())
     seq_loss = token_loss.sum(dim=-1)
@@ -203,15 +225,8 @@ def aggregate(
 
 
 @torch.no_grad()
-def _metrics(
-    ratio: torch.Tensor,
-    log_ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    dual: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-) -> PolicyLossMetrics:
+def _metrics(terms: TokenTerms, valid: torch.Tensor) -> PolicyLossMetrics:
+    ratio = terms.ratio
     num_tokens = valid.sum().to(ratio.dtype)
     denom = num_tokens.clamp(min=1)
 
@@ -219,14 +234,14 @@ def _metrics(
         return (flags & valid).sum().to(ratio.dtype) / denom
 
     # Masked positions hold ratio 1 and log_ratio 0, so they add nothing to the sums below.
-    k3 = (ratio - 1.0) - log_ratio
+    k3 = (ratio - 1.0) - terms.log_ratio
     # ratio = exp(.) > 0, so 0 at masked positions never wins and an empty call reports 0.
     masked = torch.where(valid, ratio, torch.zeros_like(ratio))
     ratio_max = masked.max() if masked.numel() else ratio.new_zeros(())
     return PolicyLossMetrics(
-        clipfrac_high=frac((advantages > 0) & (ratio > 1.0 + eps_high)),
-        clipfrac_low=frac((advantages < 0) & (ratio < 1.0 - eps_low)),
-        clipfrac_dual=frac(dual),
+        clipfrac_high=frac(terms.clip_high),
+        clipfrac_low=frac(terms.clip_low),
+        clipfrac_dual=frac(terms.clip_dual),
         ratio_mean=(ratio * valid).sum() / denom,
         ratio_max=ratio_max,
         approx_kl=(k3 * valid).sum() / denom,

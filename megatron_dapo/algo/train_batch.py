@@ -9,14 +9,16 @@ from megatron_dapo.reward.overlong import overlong_filter_mask
 from megatron_dapo.types import Group, TrainBatch
 
 
-def build_train_batch(groups: list[Group], *, overlong_filtering: bool, pad_id: int = 0) -> TrainBatch:
+def build_train_batch(groups: list[Group], *, overlong_filtering: bool, pad_id: int = 0,
+                      scale_by_std: bool = True) -> TrainBatch:
     """One row per sample, group by group. loss_mask covers the response tokens; with overlong
-    filtering, truncated responses (finish reason "length") are masked out entirely."""
+    filtering, truncated responses (finish reason "length") are masked out entirely. `scale_by_std`:
+    group_advantages' switch (False for Dr. GRPO)."""
     if not groups:
         raise ValueError("build_train_batch needs at least one group")
     samples = [s for g in groups for s in g.samples]
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-    advantages = group_advantages(rewards).reshape(-1)
+    advantages = group_advantages(rewards, scale_by_std=scale_by_std).reshape(-1)
     lengths = torch.tensor([len(s.prompt_ids) + s.response_len for s in samples])
     width = int(lengths.max())
     ids = torch.full((len(samples), width), pad_id, dtype=torch.long)

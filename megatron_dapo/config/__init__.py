@@ -32,14 +32,15 @@ from megatron_dapo.config.schema import (
     RolloutConfig,
     SGLangConfig,
     TrainConfig,
+    WandbConfig,
 )
 from megatron_dapo.config.validation import data_parallel_size, validate
 
 __all__ = [
     "ActorConfig", "AlgoConfig", "CheckpointConfig", "CliText", "Config", "ConfigError", "DataConfig", "EvalConfig",
     "FilterMetric", "LoggingConfig", "LossAggMode", "ModelConfig", "OnExhausted", "OptimizerConfig",
-    "ParallelConfig", "RewardConfig", "RolloutConfig", "SGLangConfig", "TrainConfig", "apply_delta",
-    "build_parser", "data_parallel_size", "load_config", "main", "parse_override", "to_dict", "to_yaml",
+    "ParallelConfig", "RewardConfig", "RolloutConfig", "SGLangConfig", "TrainConfig", "WandbConfig",
+    "apply_delta", "build_parser", "data_parallel_size", "load_config", "main", "parse_override", "to_dict", "to_yaml",
     "validate",
 ]
 

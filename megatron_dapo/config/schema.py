@@ -13,7 +13,11 @@ LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 FilterMetric = Literal["acc", "score"]
 OnExhausted = Literal["train_partial", "error"]
 REWARD_FUNCTION = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
-"""reward.name of a user function: `module.path:function`."""
+"""reward.name (or algo.policy_loss) of a user function: `module.path:function`."""
+POLICY_LOSSES = ("dapo", "gspo", "cispo", "dr_grpo")
+"""The built-in policy losses (algo/policy_losses.py registers them, in this order)."""
+REWARDS = ("math_dapo", "math_verify")
+"""The built-in verifiers (reward/custom.py)."""
 
 
 class ConfigError(ValueError):
@@ -171,11 +175,14 @@ class RolloutConfig:
 class RewardConfig:
     name: str = "math_dapo"
     """math_dapo = the rule-based verifier: +1 if the extracted answer equals the truth else -1 (eq. 7);
+    math_verify = the same answer line, also judged equal when Hugging Face's math-verify finds it
+    mathematically equivalent (fractions, radicals, intervals, ...; needs `pip install megatron-dapo[math]`);
     or `module.path:function`, a callable (response, ground_truth, sample) -> reward.RewardResult,
-    imported once; a call that raises, times out or returns something else scores -1 and is counted
-    (reward/failures), the first one logged with its traceback."""
+    imported once. A math_verify or user call that raises, times out or returns something else scores -1
+    and is counted (reward/failures), the first one logged with its traceback."""
     timeout_s: float = 10.0
-    """Limit on one call of a user reward function (0 = none); math_dapo is bounded and needs none."""
+    """Limit on one call of math_verify or a user reward function (0 = none); math_dapo is bounded and needs
+    none."""
     soft_overlong_punishment: bool = True
     """Add eq. 13's length-aware penalty inside the last cache_len tokens before L_max."""
     overlong_cache_len: int = 4096
@@ -193,12 +200,22 @@ class RewardConfig:
 class AlgoConfig:
     group_size: int = 16
     """G: responses sampled per prompt (paper: 16)."""
-    eps_low: float = 0.2
-    """Lower clip range: ratio is clipped at 1 - eps_low for negative advantages (paper: 0.2)."""
-    eps_high: float = 0.28
-    """Upper clip range, decoupled (Clip-Higher, paper: 0.28); eps_high = eps_low is vanilla PPO."""
+    policy_loss: str = "dapo"
+    """The loss (algo/policy_losses.py): dapo = eq. 10's token-level clip-higher loss; gspo = GSPO's
+    clipped sequence ratio (Zheng et al. 2025); cispo = MiniMax-M1's capped, detached IS weight x A x
+    log pi; dr_grpo = Dr. GRPO (Liu et al. 2025: advantages not divided by the group std, token sums /
+    (sequences x rollout.max_response_len)); or `module.path:function`, a function decorated with
+    register_policy_loss."""
+    eps_low: float | None = None
+    """Lower clip range: ratio is clipped at 1 - eps_low for negative advantages. None = the loss's default:
+    0.2 (dapo, the paper's; dr_grpo), 3e-4 (gspo); cispo has no lower bound and takes none."""
+    eps_high: float | None = None
+    """Upper clip range, decoupled (Clip-Higher). None = the loss's default: 0.28 (dapo, the paper's),
+    0.2 (dr_grpo; eps_high = eps_low is vanilla PPO), 4e-4 (gspo); for cispo the cap of its weight
+    min(r, eps_high), 5 by default (ScaleRL's)."""
     loss_agg_mode: LossAggMode = "token-mean"
-    """token-mean = DAPO token-level loss; seq-mean-token-mean = GRPO; seq-mean-token-sum."""
+    """token-mean = DAPO token-level loss; seq-mean-token-mean = GRPO; seq-mean-token-sum. dr_grpo has its own
+    constant normaliser and takes token-mean."""
     kl_coef: float = 0.0
     """KL penalty to a reference policy; DAPO removes it (0). Only 0 is supported."""
     entropy_coef: float = 0.0
@@ -310,6 +327,20 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class WandbConfig:
+    enabled: bool = False
+    """Mirror the TensorBoard scalars, the sampled responses (as tables) and the run's config to Weights &
+    Biases (needs `pip install "megatron-dapo[wandb]"`). TensorBoard stays on and is the source of truth."""
+    project: str = "megatron-dapo"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (user or team); None = the account's default."""
+    mode: Literal["online", "offline"] = "online"
+    """online = stream to the W&B server (needs a login: WANDB_API_KEY); offline = write the run under
+    <tensorboard_dir>/<run_name>/wandb/ only, for `wandb sync` later (no network needed)."""
+
+
+@dataclass(kw_only=True)
 class LoggingConfig:
     run_name: str = "dapo"
     """Names the run's checkpoint and TensorBoard folders."""
@@ -324,6 +355,7 @@ class LoggingConfig:
     many steps (0 = never); every evaluation writes its own there too."""
     samples_per_step: int = 32
     """Responses per split (train / val) in each samples file; the first 4 also go to TensorBoard text."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass(kw_only=True)

@@ -6,7 +6,14 @@ import os
 
 from megatron_dapo.config.model_checks import model_problems
 from megatron_dapo.config.ranges import range_problems
-from megatron_dapo.config.schema import REWARD_FUNCTION, AlgoConfig, Config, ConfigError
+from megatron_dapo.config.schema import (
+    POLICY_LOSSES,
+    REWARD_FUNCTION,
+    REWARDS,
+    AlgoConfig,
+    Config,
+    ConfigError,
+)
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
@@ -32,7 +39,7 @@ def _problems(cfg: Config) -> list[str]:
                  f"train.prompt_batch_size={t.prompt_batch_size}")
     if a.kl_coef != 0.0:
         p.append(f"algo.kl_coef={a.kl_coef}: DAPO removes the KL term; only 0 is supported")
-    p += _correction_problems(a)
+    p += _correction_problems(a) + _policy_loss_problems(a)
     if cfg.reward.soft_overlong_punishment and not 0 < cfg.reward.overlong_cache_len < r.max_response_len:
         p.append(f"reward.overlong_cache_len={cfg.reward.overlong_cache_len} must be in "
                  f"(0, rollout.max_response_len={r.max_response_len})")
@@ -45,8 +52,32 @@ def _problems(cfg: Config) -> list[str]:
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not os.path.isdir(resume):
         p.append(f"checkpoint.resume={resume!r} must be auto, none or an existing checkpoint folder")
-    if cfg.reward.name != "math_dapo" and not REWARD_FUNCTION.fullmatch(cfg.reward.name):
-        p.append(f"reward.name={cfg.reward.name!r} must be math_dapo or module.path:function")
+    if cfg.reward.name not in REWARDS and not REWARD_FUNCTION.fullmatch(cfg.reward.name):
+        p.append(f"reward.name={cfg.reward.name!r} must be one of {', '.join(REWARDS)} "
+                 "or module.path:function")
+    return p
+
+
+def _policy_loss_problems(a: AlgoConfig) -> list[str]:
+    """The loss's name, and the settings each built-in variant takes (a user's loss is checked on import)."""
+    kind = a.policy_loss
+    if kind not in POLICY_LOSSES and not REWARD_FUNCTION.fullmatch(kind):
+        return [f"algo.policy_loss={kind!r} must be one of {', '.join(POLICY_LOSSES)} "
+                "or module.path:function"]
+    p: list[str] = []
+    if kind == "cispo":
+        if a.eps_low is not None:
+            p.append(f"algo.eps_low={a.eps_low}: cispo's weight min(r, eps_high) has no lower bound; "
+                     "leave it unset")
+        if a.eps_high is not None and not a.eps_high >= 1:
+            p.append(f"algo.eps_high={a.eps_high} with algo.policy_loss=cispo caps the weight "
+                     "min(r, eps_high) itself (not 1 + eps): use a value >= 1 (ScaleRL, the default: 5)")
+        if a.clip_ratio_c is not None:
+            p.append("algo.clip_ratio_c: cispo has no dual clip (its weight is capped already); "
+                     "leave it unset")
+    if kind == "dr_grpo" and a.loss_agg_mode != "token-mean":
+        p.append(f"algo.loss_agg_mode={a.loss_agg_mode} does not apply to algo.policy_loss=dr_grpo, which "
+                 "divides the token sums by sequences x rollout.max_response_len: leave it token-mean")
     return p
 
 
@@ -81,7 +112,7 @@ def _prompt_problems(cfg: Config) -> list[str]:
         p.append(f"data.few_shot_path={d.few_shot_path!r}: no such file")
     if m.chat_template not in ("auto", "none") and not os.path.isfile(m.chat_template):
         p.append(f"model.chat_template={m.chat_template!r} must be auto, none or a Jinja file")
-    if d.prompt_template == "gsm8k" and cfg.reward.name == "math_dapo" and cfg.reward.answer_fallback == "none":
+    if d.prompt_template == "gsm8k" and cfg.reward.name in REWARDS and cfg.reward.answer_fallback == "none":
         p.append("data.prompt_template=gsm8k asks for the answer after '####', which reward.answer_fallback=none "
                  "never reads: set reward.answer_fallback=boxed (or use the dapo_math template)")
     return p

@@ -1,10 +1,15 @@
-"""The DAPO policy loss for the actor: from logits, from hidden states, or from token logprobs.
+"""The policy loss for the actor: from logits, from hidden states, or from token logprobs.
 
-`loss_from_logprobs` is the one "logprobs -> loss" entry: algo.loss.policy_loss (any agg_mode,
-dual-clip, importance weights) through the fused Triton clip kernel or plain torch, plus an optional
-entropy bonus normalised by the global token count. `fused_policy_loss` / `fused_linear_policy_loss`
+`loss_from_logprobs` is the one "logprobs -> loss" entry: algo.loss.policy_loss (any variant `kind`,
+agg_mode, dual-clip, importance weights) through the fused Triton clip kernel or plain torch, plus an
+optional entropy bonus normalised by the global token count. `fused_policy_loss` / `fused_linear_policy_loss`
 put the logprob/entropy kernel in front of it. Every normaliser is a global count, so micro-batch
 and data-parallel splits still sum to the full-batch loss and gradient.
+
+The clip kernel computes the clipped surrogate of a ratio: dapo and dr_grpo (token ratios) and gspo (each
+token given its sequence's ratio, through old_logprobs shifted to log pi_theta - log s_i) run in it; cispo and
+user losses run their torch token terms (`loss_path` says which, for the start-up summary). The logprob and
+entropy kernels in front serve every variant.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from megatron_dapo.algo.loss import (
     policy_loss,
     validate_inputs,
 )
+from megatron_dapo.algo.policy_losses import PolicyLossSpec, clip_range, policy_loss_spec, sequence_log_ratio
 from megatron_dapo.kernels.linear_logprobs import linear_logprobs_and_entropy
 from megatron_dapo.kernels.logprobs import resolve_impl, token_logprobs_and_entropy
 
@@ -40,13 +46,15 @@ def fused_policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    eps_low: float,
-    eps_high: float,
+    eps_low: float | None,
+    eps_high: float | None,
     global_num_tokens: Count | None,
     global_num_seqs: Count | None = None,
     agg_mode: AggMode = "token-mean",
     clip_ratio_c: float | None = None,
     is_weights: torch.Tensor | None = None,
+    kind: str = "dapo",
+    max_response_len: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
     entropy_coef: float = 0.0,
@@ -59,8 +67,8 @@ def fused_policy_loss(
     Args:
         logits: [B, T, V_local] (vocab shard when `tp_group` has >1 ranks, see token_logprobs_and_entropy).
         targets: [B, T] global token ids; old_logprobs, mask: [B, T]; advantages: [B] or [B, T].
-        global_num_tokens, global_num_seqs, agg_mode, clip_ratio_c, is_weights, entropy_coef:
-            as in loss_from_logprobs.
+        global_num_tokens, global_num_seqs, agg_mode, clip_ratio_c, is_weights, kind, max_response_len,
+        entropy_coef: as in loss_from_logprobs.
         impl, inplace_backward, chunk_bytes: as in token_logprobs_and_entropy.
     """
     impl = resolve_impl(impl, logits.device)
@@ -77,7 +85,7 @@ def fused_policy_loss(
         logprobs, entropy, old_logprobs, advantages, mask,
         eps_low=eps_low, eps_high=eps_high, agg_mode=agg_mode, global_num_tokens=global_num_tokens,
         global_num_seqs=global_num_seqs, entropy_coef=entropy_coef, clip_ratio_c=clip_ratio_c,
-        is_weights=is_weights, impl=impl,
+        is_weights=is_weights, kind=kind, max_response_len=max_response_len, impl=impl,
     )  # fmt: skip
 
 
@@ -89,13 +97,15 @@ def fused_linear_policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    eps_low: float,
-    eps_high: float,
+    eps_low: float | None,
+    eps_high: float | None,
     global_num_tokens: Count | None,
     global_num_seqs: Count | None = None,
     agg_mode: AggMode = "token-mean",
     clip_ratio_c: float | None = None,
     is_weights: torch.Tensor | None = None,
+    kind: str = "dapo",
+    max_response_len: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
     entropy_coef: float = 0.0,
@@ -120,7 +130,7 @@ def fused_linear_policy_loss(
         logprobs, entropy, old_logprobs, advantages, mask,
         eps_low=eps_low, eps_high=eps_high, agg_mode=agg_mode, global_num_tokens=global_num_tokens,
         global_num_seqs=global_num_seqs, entropy_coef=entropy_coef, clip_ratio_c=clip_ratio_c,
-        is_weights=is_weights, impl=impl,
+        is_weights=is_weights, kind=kind, max_response_len=max_response_len, impl=impl,
     )  # fmt: skip
 
 
@@ -131,20 +141,23 @@ def loss_from_logprobs(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    eps_low: float,
-    eps_high: float,
+    eps_low: float | None,
+    eps_high: float | None,
     agg_mode: AggMode = "token-mean",
     global_num_tokens: Count | None = None,
     global_num_seqs: Count | None = None,
     entropy_coef: float = 0.0,
     clip_ratio_c: float | None = None,
     is_weights: torch.Tensor | None = None,
+    kind: str = "dapo",
+    max_response_len: int | None = None,
     impl: str = "torch",
 ) -> tuple[torch.Tensor, FusedLossMetrics]:
-    """The DAPO loss to minimise from [B, T] token logprobs (and entropies):
+    """The policy loss to minimise from [B, T] token logprobs (and entropies):
 
         policy_loss(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, agg_mode,
-                    global_num_tokens, global_num_seqs=..., clip_ratio_c=..., is_weights=...)
+                    global_num_tokens, global_num_seqs=..., clip_ratio_c=..., is_weights=..., kind=...,
+                    max_response_len=...)
             - entropy_coef * sum(mask * entropy) / global_num_tokens
 
     Args:
@@ -152,17 +165,20 @@ def loss_from_logprobs(
             With entropy_coef == 0 it is a detached monitor, so the kernels skip its backward.
         global_num_tokens: valid-token count of the global batch: the token-mean normaliser and, in
             every agg_mode, the entropy bonus's (None: this call's count).
-        impl: "triton" runs the fused clip kernel (the seq modes aggregate its token losses in torch);
-            "torch" runs algo.loss.policy_loss; "auto" as in kernels.resolve_impl.
+        impl: "triton" runs the fused clip kernel for the variants it covers (see `loss_path`; the seq
+            modes aggregate its token losses in torch), the others in torch; "torch" runs
+            algo.loss.policy_loss; "auto" as in kernels.resolve_impl.
         The rest: as in algo.loss.policy_loss.
     """
     impl = resolve_impl(impl, logprobs.device)
     if entropy is None and entropy_coef != 0.0:
         raise ValueError(f"entropy_coef={entropy_coef} needs token entropies, got entropy=None")
-    loss_fn = _triton_policy_loss if impl == "triton" else policy_loss
+    in_kernel = impl == "triton" and policy_loss_spec(kind).ratio is not None
+    loss_fn = _triton_policy_loss if in_kernel else policy_loss
     loss, metrics = loss_fn(
         logprobs, old_logprobs, advantages, mask, eps_low, eps_high, agg_mode, global_num_tokens,
-        global_num_seqs=global_num_seqs, clip_ratio_c=clip_ratio_c, is_weights=is_weights,
+        global_num_seqs=global_num_seqs, clip_ratio_c=clip_ratio_c, is_weights=is_weights, kind=kind,
+        max_response_len=max_response_len,
     )  # fmt: skip
     if entropy is None:
         mean_entropy = torch.zeros((), device=logprobs.device)
@@ -195,20 +211,26 @@ def _triton_policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
+    eps_low: float | None,
+    eps_high: float | None,
     agg_mode: AggMode,
     global_num_tokens: Count | None,
     *,
     global_num_seqs: Count | None,
     clip_ratio_c: float | None,
     is_weights: torch.Tensor | None,
+    kind: str,
+    max_response_len: int | None,
 ) -> tuple[torch.Tensor, PolicyLossMetrics]:
-    """policy_loss through the fused clip kernel: same arguments, result and metrics (in fp32)."""
+    """policy_loss through the fused clip kernel: same arguments, result and metrics (in fp32), for a
+    variant whose spec has a `ratio` (the clipped surrogate of a token or sequence ratio)."""
     from megatron_dapo.kernels.policy_loss_triton import DUAL_CLIP_OFF, ClipLoss
 
+    spec = policy_loss_spec(kind)
+    eps_low, eps_high = clip_range(spec, eps_low, eps_high)
     validate_inputs(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, agg_mode,
-                    clip_ratio_c=clip_ratio_c, is_weights=is_weights)
+                    clip_ratio_c=clip_ratio_c, is_weights=is_weights, spec=spec,
+                    max_response_len=max_response_len)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     f32 = {"dtype": torch.float32, "device": logprobs.device}
@@ -216,7 +238,7 @@ def _triton_policy_loss(
     valid = mask != 0
     isw = torch.ones_like(weight) if is_weights is None else is_weights.detach().to(**f32)
     flat = [
-        old_logprobs.detach().to(**f32),
+        _kernel_old_logprobs(spec, logprobs.float(), old_logprobs.detach().to(**f32), valid),
         advantages.detach().to(**f32).expand_as(logprobs),
         weight,
         isw,
@@ -224,8 +246,29 @@ def _triton_policy_loss(
     flat = [t.reshape(-1).contiguous() for t in (logprobs.float(), *flat)]
     dual_c = DUAL_CLIP_OFF if clip_ratio_c is None else float(clip_ratio_c)
     token_loss, ratio, log_ratio, clip = ClipLoss.apply(*flat, eps_low, eps_high, dual_c)
-    loss = aggregate(token_loss.view_as(weight), weight, valid, agg_mode, global_num_tokens, global_num_seqs)
+    loss = aggregate(token_loss.view_as(weight), weight, valid, agg_mode, global_num_tokens, global_num_seqs,
+                     normaliser=spec.normaliser, max_response_len=max_response_len)
     return loss, _clip_metrics(ratio, log_ratio, clip, valid.reshape(-1))
+
+
+def _kernel_old_logprobs(spec: PolicyLossSpec, logprobs: torch.Tensor, old: torch.Tensor, valid: torch.Tensor
+                         ) -> torch.Tensor:
+    """What the kernel subtracts from log pi_theta: log pi_old for a token ratio; for a sequence ratio
+    log pi_theta - log s_i (detached), so the kernel's ratio is s_i and its gradient s_i's GSPO-token one."""
+    if spec.ratio == "token":
+        return old
+    lp = logprobs.detach()
+    return torch.where(valid, lp - sequence_log_ratio(lp, old, valid), old)
+
+
+def loss_path(kind: str, impl: str) -> str:
+    """How `kind` is computed with `impl` (after resolve_impl): the line the start-up summary prints."""
+    spec = policy_loss_spec(kind)
+    if impl != "triton":
+        return "torch"
+    if spec.ratio is None:
+        return "torch token terms (the Triton clip kernel does not cover this loss)"
+    return f"fused Triton clip kernel ({spec.ratio} ratio)"
 
 
 @torch.no_grad()

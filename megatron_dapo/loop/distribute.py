@@ -67,14 +67,16 @@ def nbytes(parts: list[torch.Tensor]) -> int:
 
 
 def step_rows(rollout: StepRollout | None, *, num_mini_batches: int, overlong_filtering: bool,
-              pad_id: int) -> StepRows:
-    """Collective over all ranks; `rollout` on the driver only. Returns this rank's rows."""
+              pad_id: int, scale_by_std: bool = True) -> StepRows:
+    """Collective over all ranks; `rollout` on the driver only. Returns this rank's rows (advantages
+    divided by the group std unless `scale_by_std` is False: the policy loss's choice)."""
     shares: list[list[torch.Tensor]] = []
     if rollout is not None:
         groups = trainable(rollout.groups, num_mini_batches)
         samples = sum(len(g.samples) for g in rollout.generated)
         if groups:
-            batch = build_train_batch(groups, overlong_filtering=overlong_filtering, pad_id=pad_id)
+            batch = build_train_batch(groups, overlong_filtering=overlong_filtering, pad_id=pad_id,
+                                      scale_by_std=scale_by_std)
             shares = [pack(s) for s in split_rows(batch, parallel.dp_size())]
         header = torch.tensor([len(groups), samples, *(shares[0][0].shape if shares else (0, 0))])
     else:

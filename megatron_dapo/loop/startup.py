@@ -7,9 +7,12 @@ import math
 from dataclasses import dataclass, field
 
 from megatron_dapo import parallel
+from megatron_dapo.algo.policy_losses import clip_range, policy_loss_spec
 from megatron_dapo.config import Config
 from megatron_dapo.config.model_checks import read_model_config
 from megatron_dapo.hf_files import HFCheckpointError, hf_tensor_table
+from megatron_dapo.kernels import resolve_impl
+from megatron_dapo.kernels.policy_loss import loss_path
 
 
 def hf_parameter_count(hf_dir: str) -> int | None:
@@ -63,8 +66,22 @@ class StartupReport:
             f"prompt template: {cfg.data.prompt_template}" + (f", few-shot examples from {cfg.data.few_shot_path}"
                                                                if cfg.data.few_shot_path else ""),
             f"reward: {reward}",
+            f"policy loss: {policy_loss_line(cfg)}",
             *self.data,
         ]
+
+
+def policy_loss_line(cfg: Config) -> str:
+    """The loss, its clip range and normaliser, and where it runs (the fused clip kernel or torch)."""
+    a = cfg.algo
+    spec = policy_loss_spec(a.policy_loss)
+    low, high = clip_range(spec, a.eps_low, a.eps_high)
+    norm = "token sums / (sequences x rollout.max_response_len)" if spec.normaliser == "max_len" \
+        else a.loss_agg_mode
+    advantages = "" if spec.scale_advantages_by_std else ", advantages not divided by the group std"
+    clip = f"eps_low {low:g}, " if spec.eps_low is not None or a.eps_low is not None else "no lower bound, "
+    return (f"{a.policy_loss} ({clip}eps_high {high:g}, {norm}{advantages}); "
+            f"{loss_path(a.policy_loss, resolve_impl('auto', parallel.device()))}")
 
 
 def system_prompt_note(configured: str | None, template_default: str | None) -> tuple[str, bool]:

@@ -14,6 +14,7 @@ from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
 from megatron_dapo.actor.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_dapo.actor.model import UnsupportedModelError, param_dtype
+from megatron_dapo.algo.policy_losses import policy_loss_spec
 from megatron_dapo.cli import preflight_error
 from megatron_dapo.config import Config, ModelConfig, to_dict
 from megatron_dapo.config.model_checks import read_model_config
@@ -33,6 +34,7 @@ from megatron_dapo.metrics import Alarms, MetricsWriter, PhaseTimer
 from megatron_dapo.reward import RewardLoadError, Scorer
 from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.types import Group, Prompt
+from megatron_dapo.wandb_mirror import import_wandb
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,8 @@ log = logging.getLogger(__name__)
 __all__ = ["RunState", "SetupError", "build_run", "config_changes", "load_train_prompts", "load_val_prompts"]
 # Settings a resumed run may change without being "a different run".
 _MAY_CHANGE = ("checkpoint.", "train.steps", "model.load", "logging.tensorboard_dir", "logging.run_name",
-               "rollout.sglang.base_port", "rollout.sglang.startup_timeout_s", "rollout.sglang.request_timeout_s")
+               "logging.wandb.", "rollout.sglang.base_port", "rollout.sglang.startup_timeout_s",
+               "rollout.sglang.request_timeout_s")
 
 
 @dataclass
@@ -184,6 +187,9 @@ def build_run(cfg: Config) -> RunState:
     choose the checkpoint to resume; build actor, engine, data and metrics; resume."""
     try:  # user inputs that load quickly fail before any process group or model exists
         scorer = Scorer(cfg.reward, cfg.rollout.max_response_len)
+        policy_loss_spec(cfg.algo.policy_loss)  # a user's loss is imported (and refused) here, once
+        if cfg.logging.wandb.enabled:
+            import_wandb()
         prompt_format = PromptFormat.from_files(cfg.data.prompt_template, cfg.data.system_prompt,
                                                 cfg.data.few_shot_path)
     except (RewardLoadError, ValueError, OSError) as e:
@@ -230,7 +236,8 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
            fmt: PromptFormat, report: StartupReport) -> RunState:
     hf_dir = cfg.model.hf_dir
     try:
-        actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature)
+        actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor, cfg.algo, temperature=cfg.rollout.temperature,
+                              max_response_len=cfg.rollout.max_response_len)
     except (UnsupportedModelError, HFCheckpointError) as e:
         raise SetupError(f"model.hf_dir={hf_dir}: {e}") from None
     if cfg.model.load:
@@ -256,7 +263,8 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
                       if cfg.rollout.weight_sync_probe else None),
         prompts=_train_iterator(cfg, tokenizer, fmt, report) if driver else None,
         val_prompts=load_val_prompts(cfg, tokenizer, fmt, report) if driver else [],
-        writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver),
+        writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver,
+                             wandb=cfg.logging.wandb, run_config=to_dict(cfg)),
         alarms=Alarms(cfg.logging, cfg.rollout.max_response_len),
         ckpt_root=folder, hf_dir=hf_dir, scorer=scorer, servers=servers.owned if servers is not None else [],
         lock=lock)

@@ -1,4 +1,5 @@
-"""User reward functions: `reward.name=module.path:function`, loaded once, each call under a timeout.
+"""User reward functions (`reward.name=module.path:function`) and math_verify: loaded once, each call under
+a timeout.
 
 The function is called as `fn(response, ground_truth, sample)` (`sample`: the `types.Sample`, with its
 token ids and finish reason) and returns a `RewardResult(score, acc, pred)`. A call that raises, runs
@@ -18,10 +19,12 @@ from typing import Any
 
 from megatron_dapo.config.schema import REWARD_FUNCTION
 from megatron_dapo.reward.math_dapo import RewardResult, compute_score
+from megatron_dapo.reward.math_verify_reward import load_math_verify, math_verify_score
 
 log = logging.getLogger(__name__)
 
 BUILTIN = "math_dapo"
+MATH_VERIFY = "math_verify"
 FAILED = RewardResult(score=-1.0, acc=False, pred=None)
 
 RewardFn = Callable[[str, str, Any], RewardResult]
@@ -36,16 +39,24 @@ class RewardTimeout(Exception):
 
 
 def is_reward_spec(name: str) -> bool:
-    """`math_dapo` or `module.path:function`."""
-    return name == BUILTIN or bool(REWARD_FUNCTION.fullmatch(name))
+    """`math_dapo`, `math_verify` or `module.path:function`."""
+    return name in (BUILTIN, MATH_VERIFY) or bool(REWARD_FUNCTION.fullmatch(name))
 
 
 def load_reward_fn(name: str, *, answer_fallback: str = "none") -> RewardFn:
-    """The callable `name` stands for; math_dapo is DAPO eq. 7 with the configured answer fallback."""
+    """The callable `name` stands for; math_dapo is DAPO eq. 7 with the configured answer fallback,
+    math_verify the same answer line judged also by math-verify (math_verify_reward.py)."""
     if name == BUILTIN:
         return functools.partial(_math_dapo, answer_fallback=answer_fallback)
+    if name == MATH_VERIFY:
+        try:
+            load_math_verify()
+        except ImportError as e:
+            raise RewardLoadError(str(e)) from None
+        return functools.partial(math_verify_score, answer_fallback=answer_fallback)
     if not REWARD_FUNCTION.fullmatch(name):
-        raise RewardLoadError(f"reward.name={name!r}: expected {BUILTIN!r} or 'module.path:function'")
+        raise RewardLoadError(f"reward.name={name!r}: expected {BUILTIN!r}, {MATH_VERIFY!r} or "
+                              "'module.path:function'")
     module_name, fn_name = name.split(":")
     try:
         module = importlib.import_module(module_name)

@@ -33,7 +33,9 @@ __all__ = [
     "RewardResult",
     "compute_score",
     "extract_answer",
+    "extract_answer_text",
     "normalize_answer",
+    "truth_text",
 ]
 
 AnswerFallback = Literal["none", "boxed"]
@@ -192,11 +194,22 @@ def _candidates(tail: str, answer_fallback: AnswerFallback) -> list[str]:
 
 def extract_answer(response: str, answer_fallback: AnswerFallback = "none") -> str | None:
     """Normalised answer extracted from a model response, or None (see module docstring)."""
+    found = extract_answer_text(response, answer_fallback)
+    return None if found is None else found[1]
+
+
+def extract_answer_text(response: str, answer_fallback: AnswerFallback = "none") -> tuple[str, str] | None:
+    """(the raw candidate, its normalised form) that extract_answer reads, or None."""
     for candidate in _candidates(response[-SEARCH_TAIL_CHARS:], answer_fallback):
         pred = normalize_answer(candidate)
         if pred:
-            return pred
+            return candidate, pred
     return None
+
+
+def truth_text(ground_truth: object) -> str:
+    """The ground truth as compared: a number as text, a GSM8K answer's part after "####" ("" if unusable)."""
+    return _truth_text(_as_text(ground_truth))
 
 
 def _truth_text(ground_truth: str) -> str:

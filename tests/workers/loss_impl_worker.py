@@ -1,7 +1,9 @@
 """Run under torchrun by tests/test_actor_loss_impl.py: for each actor.loss_impl x temperature, a fresh
 actor computes pi_old logprobs + entropy and takes one update on a fixed batch; results saved per rank.
 
-    torchrun --nproc_per_node N tests/workers/loss_impl_worker.py HF_DIR OUT_DIR TP VOCAB
+    torchrun --nproc_per_node N tests/workers/loss_impl_worker.py HF_DIR OUT_DIR TP VOCAB [--kinds]
+
+With --kinds: one update per policy-loss variant (KINDS) instead of the impl x temperature cases.
 """
 
 import sys
@@ -11,7 +13,7 @@ import torch
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
 from megatron_dapo.actor.hf_io import export_hf_weights
-from megatron_dapo.config import Config
+from megatron_dapo.config import Config, load_config
 from megatron_dapo.types import TrainBatch
 
 VOCAB = 200  # padded to 256 by Megatron: at TP2 rank 1 holds 72 real columns and 56 of padding
@@ -34,8 +36,15 @@ def fixed_batch(vocab: int = VOCAB) -> TrainBatch:
                       old_logprobs=old_shift)  # the test adds this shift to the oracle's logprobs
 
 
-def run_case(hf_dir: str, tp: int, vocab: int, impl: str, temperature: float) -> dict:
-    cfg = Config()
+KINDS = {"gspo": ["algo.loss_agg_mode=seq-mean-token-mean", "algo.eps_low=0.02", "algo.eps_high=0.02"],
+         "cispo": ["algo.eps_high=1.2"], "dr_grpo": []}
+"""Policy-loss variants the test trains once each (TP1, loss_impl=linear), with these overrides."""
+MAX_RESPONSE_LEN = 16  # Dr. GRPO's L_max
+
+
+def run_case(hf_dir: str, tp: int, vocab: int, impl: str, temperature: float, loss: list[str] | None = None
+             ) -> dict:
+    cfg = load_config(None, loss or [])
     cfg.parallel.tensor_parallel = tp
     cfg.model.dtype = "float32"
     cfg.actor.loss_impl = impl
@@ -43,7 +52,8 @@ def run_case(hf_dir: str, tp: int, vocab: int, impl: str, temperature: float) ->
     cfg.actor.optimizer.grad_clip, cfg.actor.optimizer.weight_decay = 0.0, 0.0
     cfg.actor.micro_batch_tokens = 40  # several micro-batches
     cfg.actor.logprob_micro_batch_tokens = 30
-    actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor, temperature=temperature)
+    actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor, cfg.algo, temperature=temperature,
+                          max_response_len=MAX_RESPONSE_LEN)
     batch = fixed_batch(vocab)
     shift = batch.old_logprobs
     lp, ent = actor.compute_logprobs(batch)
@@ -58,7 +68,11 @@ def main() -> None:
     cfg = Config()
     cfg.parallel.tensor_parallel = tp
     parallel.initialize(cfg.parallel, seed=3)
-    results = {f"{impl}@{t}": run_case(hf_dir, tp, vocab, impl, t) for impl, t in CASES}
+    if len(sys.argv) > 5 and sys.argv[5] == "--kinds":
+        results = {kind: run_case(hf_dir, tp, vocab, "linear", 1.0, [f"algo.policy_loss={kind}", *extra])
+                   for kind, extra in KINDS.items()}
+    else:
+        results = {f"{impl}@{t}": run_case(hf_dir, tp, vocab, impl, t) for impl, t in CASES}
     torch.save(results, f"{out}/rank_{parallel.global_rank()}.pt")
     parallel.destroy()
 

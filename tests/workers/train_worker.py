@@ -14,7 +14,7 @@ from megatron_dapo.algo.train_batch import build_train_batch
 from megatron_dapo.loop import distribute
 
 
-def broadcast_rows(rollout, *, num_mini_batches, overlong_filtering, pad_id):
+def broadcast_rows(rollout, *, num_mini_batches, overlong_filtering, pad_id, scale_by_std=True):
     """The old path: broadcast_object_list of the StepRollout, then every rank builds the whole batch."""
     box = [rollout]
     dist.broadcast_object_list(box, src=0)
@@ -23,7 +23,8 @@ def broadcast_rows(rollout, *, num_mini_batches, overlong_filtering, pad_id):
     samples = sum(len(g.samples) for g in rollout.generated)
     if not groups:
         return distribute.StepRows(None, 0, samples)
-    batch = build_train_batch(groups, overlong_filtering=overlong_filtering, pad_id=pad_id)
+    batch = build_train_batch(groups, overlong_filtering=overlong_filtering, pad_id=pad_id,
+                              scale_by_std=scale_by_std)
     return distribute.StepRows(split_rows(batch, parallel.dp_size())[parallel.dp_rank()], len(groups), samples)
 
 
