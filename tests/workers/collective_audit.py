@@ -79,8 +79,12 @@ def _creating(fn):
 
 def install() -> None:
     """Patch torch.distributed (call before anything imports megatron-core or the trainer)."""
+    from torch.distributed import distributed_c10d
+
     for name in (*TENSOR_OPS, *OBJECT_OPS, "barrier", "batch_isend_irecv"):
         setattr(dist, name, _recording(name, getattr(dist, name)))
+    for name in ("isend", "irecv"):  # P2POp checks its op is c10d's own isend / irecv, by identity
+        setattr(distributed_c10d, name, getattr(dist, name))
     dist.new_group = _creating(dist.new_group)
 
 
