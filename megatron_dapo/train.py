@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from megatron_dapo import parallel
@@ -25,6 +27,7 @@ from megatron_dapo.loop.preempt import Preempted, StopSignals
 from megatron_dapo.loop.state import RunState, build_run
 from megatron_dapo.loop.stream import collect_stream, group_sampling, rollout_cost_scalars
 from megatron_dapo.metrics import progress
+from megatron_dapo.rollout.base import NonFiniteLogitsError
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,8 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     cfg, timer, t_step = run.cfg, run.timer, time.perf_counter()
     run.phases.generate()
     with timer("rollout"):  # (generation and reward scoring happen round by round, or group by group)
-        rollout = collect(run, step) if run.is_driver else None
+        with rollout_logits_checked(run, after_step=step - 1):
+            rollout = collect(run, step) if run.is_driver else None
         rows = distribute.step_rows(rollout, num_mini_batches=run.num_mini_batches,
                                     overlong_filtering=cfg.algo.overlong_filtering, pad_id=run.tokenizer.pad_token_id or 0)
     timer.move("rollout", "reward", rollout.reward_seconds if rollout is not None else 0.0)
@@ -101,7 +105,11 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
         batch.old_logprobs, entropy = old_logprobs(run.actor, batch, cfg.algo)
     out.update(apply_rollout_correction(batch, cfg.algo))
     with timer("update"):
-        update = run.actor.train_step(batch, num_mini_batches=run.num_mini_batches, epochs=cfg.algo.epochs_per_rollout)
+        try:
+            update = run.actor.train_step(batch, num_mini_batches=run.num_mini_batches,
+                                          epochs=cfg.algo.epochs_per_rollout)
+        except NonFiniteWeightsError as e:
+            raise NonFiniteWeightsError(f"step {step}: {e}") from None
     with timer("weight_sync"):
         sync = run.phases.sync()
     out.update(scalars.update_scalars(update, parallel.dp_sum(scalars.token_sums(batch, entropy))))
@@ -131,9 +139,31 @@ def validate_policy(run: RunState, step: int) -> dict[str, float]:
     run.phases.generate()
     if not run.is_driver:
         return {}
-    result = evaluate(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids, run.scorer)
+    with rollout_logits_checked(run, after_step=step):
+        result = evaluate(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids, run.scorer)
     run.write_samples(step, "val", result.groups)
     return {**result.val_scalars(), "timing/eval_s": result.seconds}
+
+
+@contextmanager
+def rollout_logits_checked(run: RunState, after_step: int) -> Iterator[None]:
+    """An engine's NonFiniteLogitsError, however wrapped (stream, engine group), becomes one line naming the
+    weights the rollout ran on: those of step `after_step`'s update, or the ones the run started from."""
+    try:
+        yield
+    except Exception as e:
+        cause = e
+        while cause is not None and not isinstance(cause, NonFiniteLogitsError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        if after_step > run.start_step:
+            where = f"after step {after_step}: the last update diverged ({run.actor.last_update or 'no update'})"
+        else:
+            start = f"checkpoint step {after_step}" if after_step else f"model.hf_dir={run.hf_dir}"
+            where = f"of step {after_step + 1}: the weights the run started from ({start}) are unusable"
+        raise NonFiniteWeightsError(f"non-finite logits in the rollout {where}: {cause}; stopped without saving "
+                                    f"these weights (lower actor.optimizer.lr?)") from None
 
 
 def write(run: RunState, step: int, values: dict[str, float], bar=None) -> None:

@@ -50,6 +50,7 @@ from typing import Any, Literal
 import torch
 
 from megatron_dapo.config import SGLangConfig
+from megatron_dapo.config.model_checks import read_model_config
 from megatron_dapo.hf_files import checkpoint_shapes
 from megatron_dapo.rollout.base import (
     EngineStateError,
@@ -128,6 +129,8 @@ class SGLangEngine(SGLangServer, RolloutEngine):
     ) -> None:
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._shapes = checkpoint_shapes(str(model_path))
+        vocab = (read_model_config(str(model_path)) or {}).get("vocab_size")
+        self.vocab_size = vocab if isinstance(vocab, int) else None  # sampled ids beyond it: NaN logits
         self._released: set[str] = set()  # memory tags released (see sleep)
         self._tags_ok = True  # the server takes memory tags (SGLang >= 0.4.6); else whole release only
         self._memory_sizes: dict[str, int] | None = None
@@ -159,7 +162,7 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         payload = self.post("/generate", body)
         if self._abort.is_set():
             raise GenerationAborted(f"generate on {self.url} was aborted")
-        samples = parse_generate_response(payload, requests)
+        samples = parse_generate_response(payload, requests, vocab_size=self.vocab_size)
         if cut_at:
             samples = [cut_at_stop(s, cut_at) for s in samples]
         return [samples[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
