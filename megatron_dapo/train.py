@@ -23,7 +23,7 @@ from megatron_dapo.config import Config, ConfigError, build_parser, load_config,
 from megatron_dapo.loop import distribute, scalars
 from megatron_dapo.loop.collect import StepRollout, collect_step, evaluate, step_sampling
 from megatron_dapo.loop.old_policy import apply_rollout_correction, old_logprobs
-from megatron_dapo.loop.preempt import Preempted, StopSignals
+from megatron_dapo.loop.preempt import Preempted, StartInterrupted, StopSignals
 from megatron_dapo.loop.state import RunState, build_run
 from megatron_dapo.loop.stream import collect_stream, group_sampling, rollout_cost_scalars
 from megatron_dapo.metrics import progress
@@ -37,7 +37,7 @@ def train(cfg: Config) -> dict[str, float]:
     the step in flight is finished and saved, then Preempted is raised."""
     stop = StopSignals().install()
     try:
-        run = build_run(cfg)
+        run = start_run(cfg, stop)
         try:
             out = _steps(run, stop)
             run.finish()
@@ -47,6 +47,24 @@ def train(cfg: Config) -> dict[str, float]:
     finally:
         stop.restore()
     return out
+
+
+def start_run(cfg: Config, stop: StopSignals) -> RunState:
+    """build_run; a stop signal meanwhile interrupts it at once (the servers are stopped, nothing is saved) and
+    raises Preempted. Any failure after a stop signal is its doing (another rank stopped mid-collective)."""
+    run = None
+    try:
+        run = build_run(cfg)
+        stop.started()
+        return run
+    except (StartInterrupted, Exception) as e:
+        if run is not None:
+            run.close()
+        if not stop.signum:
+            raise
+        last = latest_checkpoint(Path(cfg.checkpoint.dir) / cfg.logging.run_name)
+        raise Preempted(stop.signum, None, None if last is None else str(last)) from (
+            None if isinstance(e, StartInterrupted) else e)
 
 
 def _steps(run: RunState, stop: StopSignals) -> dict[str, float]:

@@ -103,11 +103,14 @@ class SGLangEngine(SGLangServer, RolloutEngine):
     `log_dir`: where `sglang-<host>-<port>.log` goes. `extra_args`: more launch flags (after
     cfg.extra_args). Starting waits for /health up to cfg.startup_timeout_s.
 
-    The server gets its own process group (shutdown() stops the whole tree: SIGTERM, then SIGKILL
-    after `shutdown_grace_s`), is stopped at interpreter exit, and with `kill_with_parent` gets
-    SIGTERM from the kernel if the thread that created the engine dies (so a killed trainer leaves
-    no server behind; create engines in a long-lived thread, or pass False). With `wait=False` the
-    constructor only starts the process; call `wait_ready()` before using it.
+    The server gets its own process group (shutdown() stops the whole tree: SIGINT, then SIGKILL
+    after `shutdown_grace_s`), blocks SIGTERM and SIGUSR1 (the trainer's preemption signals, which Slurm
+    sends to every process of the job), is stopped at interpreter exit, and with `kill_with_parent` gets
+    SIGINT from the kernel if the thread that created the engine dies, and its group SIGKILL from a
+    watchdog a few seconds after this process is gone (so a killed trainer leaves no server behind, hung or
+    not; create engines in a long-lived thread, or pass False). With `wait=False` the
+    constructor only starts the process; call `wait_ready()` before using it; a stop signal (any
+    exception) while it waits kills the server at once.
 
     `attach=True` drives a server that another process started (e.g. another node's leader rank) at
     host:port: nothing is launched or killed here, and a dead server shows as failing HTTP calls.
