@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from megatron_dapo import parallel
@@ -22,11 +24,12 @@ from megatron_dapo.config import Config, ConfigError, build_parser, load_config,
 from megatron_dapo.loop import distribute, scalars
 from megatron_dapo.loop.collect import StepRollout, collect_step, evaluate, step_sampling
 from megatron_dapo.loop.old_policy import apply_rollout_correction, old_logprobs
-from megatron_dapo.loop.preempt import Preempted, StopSignals
+from megatron_dapo.loop.preempt import Preempted, StartInterrupted, StopSignals
 from megatron_dapo.loop.state import RunState, build_run
 from megatron_dapo.loop.weight_probe import WeightSyncError
 from megatron_dapo.loop.stream import collect_stream, group_sampling, rollout_cost_scalars
 from megatron_dapo.metrics import progress
+from megatron_dapo.rollout.base import NonFiniteLogitsError
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ def train(cfg: Config) -> dict[str, float]:
     the step in flight is finished and saved, then Preempted is raised."""
     stop = StopSignals().install()
     try:
-        run = build_run(cfg)
+        run = start_run(cfg, stop)
         try:
             out = _steps(run, stop)
             run.finish()
@@ -46,6 +49,24 @@ def train(cfg: Config) -> dict[str, float]:
     finally:
         stop.restore()
     return out
+
+
+def start_run(cfg: Config, stop: StopSignals) -> RunState:
+    """build_run; a stop signal meanwhile interrupts it at once (the servers are stopped, nothing is saved) and
+    raises Preempted. Any failure after a stop signal is its doing (another rank stopped mid-collective)."""
+    run = None
+    try:
+        run = build_run(cfg)
+        stop.started()
+        return run
+    except (StartInterrupted, Exception) as e:
+        if run is not None:
+            run.close()
+        if not stop.signum:
+            raise
+        last = latest_checkpoint(Path(cfg.checkpoint.dir) / cfg.logging.run_name)
+        raise Preempted(stop.signum, None, None if last is None else str(last)) from (
+            None if isinstance(e, StartInterrupted) else e)
 
 
 def _steps(run: RunState, stop: StopSignals) -> dict[str, float]:
@@ -81,7 +102,8 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     scale_by_std = policy_loss_spec(cfg.algo.policy_loss).scale_advantages_by_std  # False for Dr. GRPO
     run.phases.generate()
     with timer("rollout"):  # (generation and reward scoring happen round by round, or group by group)
-        rollout = collect(run, step) if run.is_driver else None
+        with rollout_logits_checked(run, after_step=step - 1):
+            rollout = collect(run, step) if run.is_driver else None
         parallel.join_driver("rollout")  # the other ranks wait host-side, however long the rollout takes
         rows = distribute.step_rows(rollout, num_mini_batches=run.num_mini_batches,
                                     overlong_filtering=cfg.algo.overlong_filtering,
@@ -106,7 +128,11 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
         batch.old_logprobs, entropy = old_logprobs(run.actor, batch, cfg.algo)
     out.update(apply_rollout_correction(batch, cfg.algo))
     with timer("update"):
-        update = run.actor.train_step(batch, num_mini_batches=run.num_mini_batches, epochs=cfg.algo.epochs_per_rollout)
+        try:
+            update = run.actor.train_step(batch, num_mini_batches=run.num_mini_batches,
+                                          epochs=cfg.algo.epochs_per_rollout)
+        except NonFiniteWeightsError as e:
+            raise NonFiniteWeightsError(f"step {step}: {e}") from None
     with timer("weight_sync"):
         sync = run.phases.sync(step)
     out.update(scalars.update_scalars(update, parallel.dp_sum(scalars.token_sums(batch, entropy))))
@@ -134,13 +160,35 @@ def collect(run: RunState, step: int) -> StepRollout:
 def validate_policy(run: RunState, step: int) -> dict[str, float]:
     """avg@k, pass@k, maj@k on the validation prompts (driver only; other ranks return nothing)."""
     run.phases.generate()
-    result = evaluate(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids, run.scorer) \
-        if run.is_driver else None
+    with rollout_logits_checked(run, after_step=step):
+        result = evaluate(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids, run.scorer) \
+            if run.is_driver else None
     parallel.join_driver("eval")
     if result is None:
         return {}
     run.write_samples(step, "val", result.groups)
     return {**result.val_scalars(), "timing/eval_s": result.seconds}
+
+
+@contextmanager
+def rollout_logits_checked(run: RunState, after_step: int) -> Iterator[None]:
+    """An engine's NonFiniteLogitsError, however wrapped (stream, engine group), becomes one line naming the
+    weights the rollout ran on: those of step `after_step`'s update, or the ones the run started from."""
+    try:
+        yield
+    except Exception as e:
+        cause = e
+        while cause is not None and not isinstance(cause, NonFiniteLogitsError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        if after_step > run.start_step:
+            where = f"after step {after_step}: the last update diverged ({run.actor.last_update or 'no update'})"
+        else:
+            start = f"checkpoint step {after_step}" if after_step else f"model.hf_dir={run.hf_dir}"
+            where = f"of step {after_step + 1}: the weights the run started from ({start}) are unusable"
+        raise NonFiniteWeightsError(f"non-finite logits in the rollout {where}: {cause}; stopped without saving "
+                                    f"these weights (lower actor.optimizer.lr?)") from None
 
 
 def write(run: RunState, step: int, values: dict[str, float], bar=None) -> None:

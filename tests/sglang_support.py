@@ -58,7 +58,13 @@ FAKE_SERVER = textwrap.dedent("""
     if mode == "exit":
         print("RuntimeError: not enough memory for the KV cache", flush=True)
         sys.exit(3)
-    if mode == "hang":
+    if mode == "hang":  # a slow start-up (a stop request still ends it)
+        time.sleep(3600)
+    if mode == "deaf":  # hung in start-up, deaf to every signal but SIGKILL
+        import signal
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+        print("fake sglang is deaf", flush=True)
         time.sleep(3600)
     if mode == "bindfail":  # uvicorn's error when the port is taken; SGLang then lingers in shutdown
         print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {args.port}): "

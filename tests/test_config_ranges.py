@@ -74,6 +74,7 @@ def test_every_numeric_field_rejects_nan_inf_and_nonsense_negatives(key):
     "actor.optimizer.lr=.inf", "algo.eps_high=.nan", "train.steps=-5", "checkpoint.save_every=-1",
     "reward.overlong_penalty_factor=-1", "actor.optimizer.adam_beta2=2", "algo.gen_batch_multiplier=.inf",
     "actor.optimizer.weight_decay=.nan", "rollout.sglang.base_port=70000", "logging.length_blowup_frac=1.5",
+    "actor.optimizer.lr=1e30", "actor.optimizer.lr=1e6",  # issue 23: accepted, the first update exploded
 ])
 def test_the_issues_out_of_range_values_are_named(override):
     key = override.split("=")[0]

@@ -4,7 +4,8 @@
   resume=auto with another config warns loudly; a second run is locked out, a stale lock taken over;
 - a corrupt newest checkpoint is skipped (named, with the reason) and the run replays exactly from the
   one before it;
-- SIGTERM finishes the step, saves it and exits 143; resume=auto then replays the uninterrupted run;
+- SIGTERM or SIGUSR1 to every process of the job (as Slurm sends them) finishes the step, saves it and exits
+  128 + the signal (the helpers the trainer started survive it); resume=auto then replays the uninterrupted run;
 - Ctrl-C exits 130 with one line and the last complete checkpoint intact;
 - an unwritable or full checkpoint folder and a broken model folder are one line and exit 2 at start;
 - a single-node run's TCP store listens on loopback only.
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -157,6 +159,25 @@ def wait_for(predicate, proc, timeout=400):
     assert predicate(), f"never happened (exit {proc.poll()})"
 
 
+def signal_job(proc: subprocess.Popen, sig: int) -> list[str]:
+    """Send `sig` as Slurm does (scancel, the time limit, what srun forwards): to every process of the job.
+    `proc` leads its own process group (start_new_session): the group gets it, and so does every descendant
+    that left it (a server in its own session). Returns the command lines signalled besides `proc`'s."""
+    import psutil
+
+    others = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, sig)
+    for child in others:
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(child.pid) != proc.pid:
+                os.kill(child.pid, sig)
+    names = []
+    for child in others:
+        with contextlib.suppress(psutil.Error):
+            names.append(" ".join(child.cmdline()))
+    return names
+
+
 def logged_steps(tb: Path) -> set[int]:
     try:
         return set(scalars(tb).get("train/reward_mean", {}))
@@ -164,14 +185,20 @@ def logged_steps(tb: Path) -> set[int]:
         return set()
 
 
-def test_sigterm_saves_the_step_and_resume_replays_exactly(base_dir, straight, tmp_path, env):
-    cmd = train_cmd(base_dir, tmp_path, "term", *STEPS, "checkpoint.save_every=0")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: 1 in logged_steps(tmp_path / "tb" / "term"), proc)
-    proc.send_signal(signal.SIGTERM)
+def preempt_and_resume(base_dir, straight, tmp_path, env, sig: int, save_every: int) -> list[str]:
+    """Signal the whole job (signal_job) once step 1 is logged (with `save_every`, once its checkpoint is
+    complete: megatron-core's writer Manager is alive then): the step in flight is finished and saved, one
+    line names the signal, exit 128 + sig; resume=auto then replays the uninterrupted run. Returns what
+    else was signalled."""
+    cmd = train_cmd(base_dir, tmp_path, "term", *STEPS, f"checkpoint.save_every={save_every}")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    marker = folder_of(tmp_path, "term") / "step_00000001" / "COMPLETE"
+    wait_for(lambda: 1 in logged_steps(tmp_path / "tb" / "term") and (not save_every or marker.exists()), proc)
+    helpers = signal_job(proc, sig)
     _, stderr = proc.communicate(timeout=400)
     r = subprocess.CompletedProcess(cmd, proc.returncode, "", stderr)
-    line = one_line(r, 143, "train: preempted: stopped by SIGTERM after step")
+    line = one_line(r, 128 + sig, f"train: preempted: stopped by {signal.Signals(sig).name} after step")
     step = int(line.split("after step ")[1].split(":")[0])
     # the step in flight was finished and the run stopped there (a step takes a fraction of a second here,
     # so the signal, sent once step 1 is on disk, may land in any of the 3 steps)
@@ -184,6 +211,19 @@ def test_sigterm_saves_the_step_and_resume_replays_exactly(base_dir, straight, t
     r = run(cmd, env)
     assert r.returncode == 0, r.stderr[-4000:]
     assert_replays(straight, tmp_path, "term", range(1, 4))
+    return helpers
+
+
+def test_sigterm_saves_the_step_and_resume_replays_exactly(base_dir, straight, tmp_path, env):
+    preempt_and_resume(base_dir, straight, tmp_path, env, signal.SIGTERM, save_every=0)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_signal_to_every_process_spares_the_helpers_and_resume_replays(base_dir, straight, tmp_path, env, sig):
+    """Issue 23.3: the checkpoint writer's Manager (a spawned helper) died of the job's SIGTERM first, and
+    the trainer's save of the step in flight failed with BrokenPipeError."""
+    helpers = preempt_and_resume(base_dir, straight, tmp_path, env, sig, save_every=1)
+    assert any("multiprocessing" in h for h in helpers), helpers  # the helpers were signalled too
 
 
 def test_ctrl_c_exits_130_with_one_line_and_keeps_the_last_checkpoint(base_dir, tmp_path, env):

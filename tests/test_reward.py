@@ -84,7 +84,7 @@ def test_wrappers_inside_the_answer_are_normalised(wrapped: str) -> None:
     ("answer", "pred"),
     [
         ("\\text{\\frac{1}{2}}", "\\frac{1}{2}"),  # a wrapper around braces
-        ("\\mathbf{x}^{2}", "x^{2}"),
+        ("\\mathbf{x}^{2}", "\\mathbf{x}^{2}"),  # the wrapper encloses part of the answer: as written
         ("\\text{42", "\\text{42"),  # unclosed: left alone
         ("\\{1,2\\}", "\\{1,2\\}"),  # not a wrapper
         ("4.2\\%", "4.2"),

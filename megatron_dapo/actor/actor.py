@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -19,7 +20,15 @@ from megatron_dapo.types import TrainBatch
 
 
 class NonFiniteWeightsError(RuntimeError):
-    """An optimizer step left inf/NaN in the weights: training stops; such weights are never saved."""
+    """An optimizer step left inf/NaN in the weights, or blew them up (see MAX_GROWTH), or the weights
+    give inf/NaN logits: training stops; such weights are never saved."""
+
+
+MAX_GROWTH = 2.0
+"""An update that more than doubles the largest |weight| of the model diverged: an AdamW step moves each weight
+by about lr (at most 1, the paper 1e-6), far below the largest weight of any model that trains (norm scales
+are about 1). An exploded update (lr 1e30, or lr * weight_decay >> 1) grows it by 1e20 and more while the
+weights stay finite, and only some inputs then give inf/NaN logits: finiteness alone let them be saved."""
 
 
 def _finalize_grads_unscaled(model, num_tokens=None, *args, **kwargs):
@@ -54,6 +63,7 @@ class Actor:
         if self.loss_impl == "linear" and par_cfg.sequence_parallel:
             raise ValueError("actor.loss_impl=linear does not support parallel.sequence_parallel (use logits or auto)")
         self._offload = HostOffload()
+        self._last_update = ""  # the last optimizer step that went through, for the divergence message
 
     @classmethod
     def from_hf(cls, hf_dir: str, model_cfg: ModelConfig, par_cfg: ParallelConfig, actor_cfg: ActorConfig,
@@ -75,6 +85,11 @@ class Actor:
         the bf16 optimizer's fp32 main copies, taken when it was built, are refreshed from them (else the
         first update continues from the uninitialised memory they were cloned from)."""
         self.optimizer.reload_model_params()
+
+    @property
+    def last_update(self) -> str:
+        """The last optimizer step that went through: "update k: lr .., grad norm .." ("" before the first)."""
+        return self._last_update
 
     @property
     def module(self) -> torch.nn.Module:
@@ -200,13 +215,36 @@ class Actor:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
             return {**metrics, "grad_norm": float("nan"), "update_ok": 0.0}
+        before = self._largest_weight()
         ok, grad_norm, _ = self.optimizer.step()
         self.updates += 1
-        if not self.weights_finite():
-            raise NonFiniteWeightsError(
-                f"update {self.updates}: the optimizer step left inf/NaN in the weights (lr {current_lr(self.optimizer):g}, "
-                f"grad norm {float(grad_norm or 0.0):g}); stopped before saving them (lower actor.optimizer.lr?)")
+        self._last_update = (f"update {self.updates}: lr {current_lr(self.optimizer):g}, "
+                             f"grad norm {float(grad_norm or 0.0):g}")
+        self._check_update(before, self._largest_weight())
         return {**metrics, "grad_norm": float(grad_norm or 0.0), "update_ok": float(bool(ok))}
+
+    def _check_update(self, before: float, after: float) -> None:
+        """Raise NonFiniteWeightsError when the step left inf/NaN weights or grew the largest one more than
+        MAX_GROWTH times (`before`, `after`: the largest |weight| of all ranks)."""
+        if not math.isfinite(after):
+            what = "left inf/NaN in the weights"
+        elif after > MAX_GROWTH * before:
+            what = f"grew the largest weight from {before:.3g} to {after:.3g}"
+        else:
+            return
+        raise NonFiniteWeightsError(f"the last update diverged: it {what} ({self._last_update}); stopped before "
+                                    f"its weights were synced or saved (lower actor.optimizer.lr?)")
+
+    def _largest_weight(self) -> float:
+        """Collective: the largest |weight| over all ranks (inf/NaN when a weight is); one reduction per tensor."""
+        local = torch.stack([torch.linalg.vector_norm(p.detach(), ord=math.inf).float()
+                             for p in self.module.parameters()]).amax()
+        if torch.isnan(local):
+            local = local.new_tensor(math.inf)  # the MAX reduction below would not carry a NaN
+        local = local.reshape(1).to(parallel.device())
+        if dist.is_initialized() and parallel.world_size() > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        return float(local.item())
 
     def weights_finite(self) -> bool:
         """Collective: True when every rank's weights are finite (one fused reduction per tensor)."""

@@ -22,7 +22,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "parallel.pipeline_parallel": ("[1, inf)", ""),
     "parallel.expert_parallel": ("[1, inf)", ""),
     "parallel.timeout_s": ("(0, inf)", ""),
-    "actor.optimizer.lr": ("(0, inf)", ""),
+    "actor.optimizer.lr": ("(0, 1]", "an AdamW step moves every weight by about lr; the paper uses 1e-6"),
     "actor.optimizer.warmup_steps": ("[0, inf)", ""),
     "actor.optimizer.weight_decay": ("[0, inf)", ""),
     "actor.optimizer.grad_clip": ("[0, inf)", "0 disables clipping"),

@@ -69,7 +69,7 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class OptimizerConfig:
     lr: float = 1e-6
-    """AdamW learning rate (paper: 1e-6), constant after warm-up."""
+    """AdamW learning rate (paper: 1e-6), constant after warm-up; at most 1."""
     warmup_steps: int = 20
     """Linear warm-up over this many optimizer updates (paper: 20)."""
     weight_decay: float = 0.1

@@ -2,10 +2,13 @@
 
 Slurm sends SIGTERM before it kills a job (scancel, preemption, requeue, the time limit), or a chosen
 signal ahead of the time limit (`#SBATCH --signal=B:USR1@120`; the launcher forwards it to the
-trainer). The handler only records the signal; after each step every rank learns whether any rank got
-one (one all-reduce), so all of them save the same step and stop together. The step in flight is
-finished, not abandoned: ask for the signal at least one step plus one save before the deadline.
-A second signal stops the process at once.
+trainer), to every process of the job: the processes the trainer starts block both (stop_signals.py) and
+keep serving until it has saved. The handler only records the signal; after each step every rank learns
+whether any rank got one (one all-reduce), so all of them save the same step and stop together. The step
+in flight is finished, not abandoned: ask for the signal at least one step plus one save before the
+deadline. A second signal (REPEAT_AFTER_S later) stops the process at once. While the run starts (model,
+servers, data) there is nothing to save: the first signal interrupts the start at once
+(`StartInterrupted`), the servers are stopped and the run exits with 128 + the signal.
 """
 
 from __future__ import annotations
@@ -13,20 +16,33 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from megatron_dapo.stop_signals import STOP_SIGNALS
+
+SIGNALS = STOP_SIGNALS
+REPEAT_AFTER_S = 5.0
+"""A second signal stops the process at once only this long after the first: Slurm may deliver one twice
+(to every process of the step, and again as srun forwards what it got)."""
 
 
 class Preempted(Exception):
-    """The run stopped on a signal after saving `checkpoint` (exit code 128 + signal number)."""
+    """The run stopped on a signal after saving `checkpoint` at `step`, or while starting (`step` None:
+    `checkpoint` is the last complete one); exit code 128 + signal number."""
 
-    def __init__(self, signum: int, step: int, checkpoint: str | None):
+    def __init__(self, signum: int, step: int | None, checkpoint: str | None):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        name = signal.Signals(signum).name
+        if step is None:
+            last = f"last complete checkpoint {checkpoint}" if checkpoint else "no checkpoint yet"
+            super().__init__(f"stopped by {name} while starting (nothing to save): {last}; "
+                             "checkpoint.resume=auto continues from it")
+            return
         saved = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint yet"
-        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}: {saved}; "
+        super().__init__(f"stopped by {name} after step {step}: {saved}; "
                          "checkpoint.resume=auto continues from it")
 
     @property
@@ -34,11 +50,19 @@ class Preempted(Exception):
         return 128 + self.signum
 
 
+class StartInterrupted(BaseException):
+    """Raised by the first stop signal while the run starts. A BaseException, as KeyboardInterrupt, so that
+    no `except Exception` on the way (a server launch reporting failures, say) takes it for an error."""
+
+
 class StopSignals:
     """Records SIGTERM / SIGUSR1 instead of dying; `requested()` is the collective verdict."""
 
     def __init__(self) -> None:
         self.signum = 0
+        self.starting = True
+        """Until `started()`: the first signal raises StartInterrupted, later ones are only recorded."""
+        self._first_at = 0.0
         self._previous: dict[int, object] = {}
 
     def install(self) -> StopSignals:
@@ -47,11 +71,20 @@ class StopSignals:
                 self._previous[sig] = signal.signal(sig, self._record)
         return self
 
+    def started(self) -> None:
+        self.starting = False
+
     def _record(self, signum: int, frame: object) -> None:
-        if self.signum:  # asked twice: stop now, the way the signal stops a process by default
-            signal.signal(signum, signal.SIG_DFL)
+        if self.starting:
+            first, self.signum = not self.signum, self.signum or signum
+            if first:
+                raise StartInterrupted(signum)
+            return
+        if self.signum and time.monotonic() - self._first_at > REPEAT_AFTER_S:
+            signal.signal(signum, signal.SIG_DFL)  # asked twice: stop now, as the signal stops a process
             os.kill(os.getpid(), signum)
-        self.signum = signum
+        if not self.signum:
+            self.signum, self._first_at = signum, time.monotonic()
 
     def requested(self) -> int:
         """Collective: the signal any rank received (0 if none), the same on every rank."""

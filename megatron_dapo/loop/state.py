@@ -33,6 +33,7 @@ from megatron_dapo.loop.stream import carry_state, load_carry
 from megatron_dapo.metrics import Alarms, MetricsWriter, PhaseTimer
 from megatron_dapo.reward import RewardLoadError, Scorer
 from megatron_dapo.rollout.base import RolloutEngine
+from megatron_dapo.stop_signals import helpers_shielded
 from megatron_dapo.types import Group, Prompt
 from megatron_dapo.wandb_mirror import import_wandb
 
@@ -122,8 +123,9 @@ class RunState:
                  "samples_generated": self.samples_generated, "config": to_dict(self.cfg),
                  "carry": carry_state(self.carry)}
         self.phases.train()  # the actor's state on its device (it may sleep through the rollout)
-        save_checkpoint(self.actor, self.ckpt_root, step, trainer_state=state, keep_last=self.cfg.checkpoint.keep_last,
-                        hf_dir=self.hf_dir)
+        with helpers_shielded():  # megatron-core's writer processes (and, once, their Manager) start here
+            save_checkpoint(self.actor, self.ckpt_root, step, trainer_state=state,
+                            keep_last=self.cfg.checkpoint.keep_last, hf_dir=self.hf_dir)
         self.last_saved = step
 
     def resume(self, path: Path | None) -> None:

@@ -11,13 +11,16 @@ The ground truth may be plain (``"13"``), LaTeX (``"$\\frac{1}{2}$"``, ``"\\boxe
 (``"... #### 1,234"``: the text after the last ``####``). Both sides go through the same Minerva-style
 normalisation (Lewkowycz et al. 2022), which also drops wrappers real completions put around the
 answer: ``$..$``, ``$$..$$``, ``\\(..\\)``, ``\\[..\\]``, ``\\boxed``/``\\fbox``, ``\\text``, ``\\textbf``,
-``\\mathbf``, ``\\mathrm``, ``**..**`` and a percent sign (``42\\%``, ``42%``), nested ones too.
+``\\mathbf``, ``\\mathrm``, ``**..**`` and a percent sign (``42\\%``, ``42%``), nested ones too. A wrapper
+counts only when it encloses the WHOLE answer (after trimming whitespace and a final period); anything else
+is read as written, so ``\\( 4 \\)2`` or ``$4$ $2$`` never becomes 42.
 Integers compare by value ("007" == "7", "-0" == "0", "1,000" == "1000", "12.0" == "12"); anything else
 by normalised string equality.
 
 Work is bounded for any input: markers are searched only in the last ``SEARCH_TAIL_CHARS`` characters
 of the response, a candidate answer is at most ``MAX_ANSWER_CHARS`` long, truths longer than
-``MAX_TRUTH_CHARS`` never match, brace matching is one linear pass, and every regex is linear.
+``MAX_TRUTH_CHARS`` never match, brace matching is one linear pass, peeling wrappers is linear, and every
+regex is linear.
 """
 
 from __future__ import annotations
@@ -50,7 +53,10 @@ _log = logging.getLogger(__name__)
 _ANSWER_MARKER = re.compile(r"answer[ \t*]*:", re.IGNORECASE)
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _WRAPPER_COMMANDS = ("\\text", "\\textbf", "\\mathbf", "\\mathrm", "\\overline")
-_MATH_DELIMITERS = ("\\(", "\\)", "\\[", "\\]")
+_BRACE_WRAPPERS = tuple(f"{command}{{" for command in _BOX_COMMANDS + _WRAPPER_COMMANDS)
+# (opening, closing, tokens the content may not hold): math delimiters do not nest.
+_DELIMITERS = (("$$", "$$", ("$",)), ("$", "$", ("$",)), ("\\(", "\\)", ("\\(", "\\)")),
+               ("\\[", "\\]", ("\\[", "\\]")))
 _FRAC_SHORTHAND = re.compile(r"frac([^{])(.)")
 _SQRT_SHORTHAND = re.compile(r"sqrt([^{])")
 _THOUSANDS = re.compile(r"[+-]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?")
@@ -96,54 +102,70 @@ def last_boxed(text: str) -> str | None:
     return best
 
 
-def _unwrap(text: str) -> str:
-    """Drop each wrapper command (``\\text{..}``, ``\\mathbf{..}``, ...) around its balanced argument,
-    nested ones too: ``\\text{\\mathbf{4}}`` -> ``4``. One pass with a brace stack, linear in
-    ``len(text)``; a wrapper whose brace never closes is left as it is."""
-    drop = bytearray(len(text))
-    stack: list[tuple[int, int]] = []  # (start of the owning wrapper command or -1, index of "{")
+def _closing_braces(text: str) -> dict[int, int]:
+    """Index of the matching ``}`` of every ``{`` that closes; one pass with a stack."""
+    closing: dict[int, int] = {}
+    stack: list[int] = []
     for i, ch in enumerate(text):
         if ch == "{":
-            cmd = next((c for c in _WRAPPER_COMMANDS if text.endswith(c, 0, i)), "")
-            stack.append((i - len(cmd) if cmd else -1, i))
+            stack.append(i)
         elif ch == "}" and stack:
-            start, brace = stack.pop()
-            if start >= 0:
-                drop[start:brace + 1] = b"\x01" * (brace + 1 - start)
-                drop[i] = 1
-    return "".join(ch for ch, dropped in zip(text, drop) if not dropped)
+            closing[stack.pop()] = i
+    return closing
 
 
-def _trim(text: str) -> str:
-    """Strip whitespace and markdown emphasis (``**42**``) from both ends."""
-    return text.strip().strip("*").strip()
+def _trimmed(text: str, lo: int, hi: int) -> tuple[int, int]:
+    """``text[lo:hi]`` without whitespace and markdown emphasis at its ends, nor a final period."""
+    while lo < hi and (text[lo].isspace() or text[lo] == "*"):
+        lo += 1
+    while hi > lo and (text[hi - 1].isspace() or text[hi - 1] in "*."):
+        hi -= 1
+    return lo, hi
 
 
-def _first_math(text: str) -> str:
-    """Content of the first ``$...$`` pair (Minerva), or the text unchanged."""
-    first = text.find("$")
-    second = text.find("$", first + 1) if first >= 0 else -1
-    return text[first + 1:second] if second >= 0 else text
+def _inside(text: str, lo: int, hi: int, closing: dict[int, int]) -> tuple[int, int] | None:
+    """The window inside the wrapper that encloses all of ``text[lo:hi]``, or None when there is none."""
+    for opening, closing_delimiter, forbidden in _DELIMITERS:
+        inner_lo, inner_hi = lo + len(opening), hi - len(closing_delimiter)
+        if (inner_lo <= inner_hi and text.startswith(opening, lo) and text.endswith(closing_delimiter, lo, hi)
+                and all(text.find(token, inner_lo, inner_hi) < 0 for token in forbidden)):
+            return inner_lo, inner_hi
+    for command in _BRACE_WRAPPERS:
+        if text.startswith(command, lo) and closing.get(lo + len(command) - 1) == hi - 1:
+            return lo + len(command), hi - 1
+    for percent in ("\\%", "%"):
+        if text.endswith(percent, lo, hi):
+            return lo, hi - len(percent)
+    return None
+
+
+def _unwrapped(text: str) -> str:
+    """``text`` without the wrappers that enclose ALL of it, peeled from the outside in
+    (``$\\mathbf{42}\\%$.`` -> ``42``); a wrapper around part of it stays as written (``\\(4\\)2``).
+    Linear in ``len(text)``: the braces are matched once and every other test is a bounded string search."""
+    closing = _closing_braces(text)
+    lo, hi = 0, len(text)
+    while True:
+        lo, hi = _trimmed(text, lo, hi)
+        inner = _inside(text, lo, hi, closing)
+        if inner is None:
+            return text[lo:hi]
+        lo, hi = inner
 
 
 def normalize_answer(answer: str) -> str:
-    """Minerva-style normalisation of a final answer (plus sign, period and separator cleanup)."""
-    text = answer.strip()
-    boxed = last_boxed(text)
-    if boxed is not None:
-        text = boxed
-    text = text.rsplit("=", 1)[-1]
+    """Minerva-style normalisation of a final answer (plus sign, period and separator cleanup).
+
+    Wrappers count only around the whole answer (see ``_unwrapped``): before the last ``=`` is taken and
+    again after Minerva's substitutions (which drop spaces, units and escaped dollars)."""
+    text = _unwrapped(answer.replace("\\$", "")).rsplit("=", 1)[-1]
     for before, after in SUBSTITUTIONS:
         text = text.replace(before, after)
     for expr in REMOVED_EXPRESSIONS:
         text = text.replace(expr, "")
-    text = _first_math(text.replace("$$", "$"))  # display math $$..$$ as inline
-    for delimiter in _MATH_DELIMITERS:
-        text = text.replace(delimiter, "")
-    text = _unwrap(text).replace("\\%", "").replace("%", "")
+    text = _unwrapped(text)
     text = _FRAC_SHORTHAND.sub(r"frac{\1}{\2}", text)
     text = _SQRT_SHORTHAND.sub(r"sqrt{\1}", text)
-    text = _trim(_trim(text.replace("$", "")).rstrip("."))
     if text.startswith("+"):
         text = text[1:]
     if _THOUSANDS.fullmatch(text):

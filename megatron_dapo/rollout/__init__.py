@@ -6,11 +6,13 @@
 from megatron_dapo.rollout.base import (
     EngineStateError,
     GenerationAborted,
+    NonFiniteLogitsError,
     RolloutEngine,
     SamplingParams,
 )
 
-__all__ = ["EmbeddedEngine", "EngineStateError", "GenerationAborted", "RolloutEngine", "SamplingParams"]
+__all__ = ["EmbeddedEngine", "EngineStateError", "GenerationAborted", "NonFiniteLogitsError", "RolloutEngine",
+           "SamplingParams"]
 
 
 def __getattr__(name: str):

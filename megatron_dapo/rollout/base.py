@@ -52,6 +52,11 @@ class GenerationAborted(RuntimeError):
     """`abort()` was called while `generate` was running; its unfinished requests were dropped."""
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """The engine's policy gave inf/NaN logits (a server: NaN logprobs, or token ids outside the vocabulary,
+    which is what sampling from NaN probabilities returns): its weights are unusable. Never retried."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     temperature: float = 1.0

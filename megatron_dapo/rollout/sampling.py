@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from transformers.generation.logits_process import TopPLogitsWarper
 
-from megatron_dapo.rollout.base import SamplingParams
+from megatron_dapo.rollout.base import NonFiniteLogitsError, SamplingParams
 
 _M32 = 0xFFFFFFFF
 
@@ -23,9 +23,14 @@ def sample_next(logits: Tensor, sampling: SamplingParams, generator: torch.Gener
                 uniforms: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Next token per row and its logprob under softmax(logits / T) (pre top-p; T=0: argmax, T=1).
 
-    `uniforms` [B, 1] in [0, 1): the draw of each row; without them, drawn from `generator`.
+    `uniforms` [B, 1] in [0, 1): the draw of each row; without them, drawn from `generator`. Raises
+    NonFiniteLogitsError when any logit is inf/NaN (sampling would return an id outside the vocabulary).
     """
     logits = logits.float()
+    finite = torch.isfinite(logits).all(-1)
+    if not bool(finite.all()):
+        raise NonFiniteLogitsError(f"the engine's logits hold inf/NaN in {int((~finite).sum())} of "
+                                   f"{logits.shape[0]} rows")
     if sampling.greedy:
         tokens = logits.argmax(-1)
         logprobs = logits.log_softmax(-1)

@@ -51,6 +51,7 @@ from typing import Any, Literal
 import torch
 
 from megatron_dapo.config import SGLangConfig
+from megatron_dapo.config.model_checks import read_model_config
 from megatron_dapo.hf_files import checkpoint_shapes
 from megatron_dapo.rollout.base import (
     EngineStateError,
@@ -103,11 +104,14 @@ class SGLangEngine(SGLangServer, RolloutEngine):
     `log_dir`: where `sglang-<host>-<port>.log` goes. `extra_args`: more launch flags (after
     cfg.extra_args). Starting waits for /health up to cfg.startup_timeout_s.
 
-    The server gets its own process group (shutdown() stops the whole tree: SIGTERM, then SIGKILL
-    after `shutdown_grace_s`), is stopped at interpreter exit, and with `kill_with_parent` gets
-    SIGTERM from the kernel if the thread that created the engine dies (so a killed trainer leaves
-    no server behind; create engines in a long-lived thread, or pass False). With `wait=False` the
-    constructor only starts the process; call `wait_ready()` before using it.
+    The server gets its own process group (shutdown() stops the whole tree: SIGINT, then SIGKILL
+    after `shutdown_grace_s`), blocks SIGTERM and SIGUSR1 (the trainer's preemption signals, which Slurm
+    sends to every process of the job), is stopped at interpreter exit, and with `kill_with_parent` gets
+    SIGINT from the kernel if the thread that created the engine dies, and its group SIGKILL from a
+    watchdog a few seconds after this process is gone (so a killed trainer leaves no server behind, hung or
+    not; create engines in a long-lived thread, or pass False). With `wait=False` the
+    constructor only starts the process; call `wait_ready()` before using it; a stop signal (any
+    exception) while it waits kills the server at once.
 
     `attach=True` drives a server that another process started (e.g. another node's leader rank) at
     host:port: nothing is launched or killed here, and a dead server shows as failing HTTP calls.
@@ -129,6 +133,8 @@ class SGLangEngine(SGLangServer, RolloutEngine):
     ) -> None:
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._shapes = checkpoint_shapes(str(model_path))
+        vocab = (read_model_config(str(model_path)) or {}).get("vocab_size")
+        self.vocab_size = vocab if isinstance(vocab, int) else None  # sampled ids beyond it: NaN logits
         self._released: set[str] = set()  # memory tags released (see sleep)
         self._tags_ok = True  # the server takes memory tags (SGLang >= 0.4.6); else whole release only
         self._memory_sizes: dict[str, int] | None = None
@@ -160,7 +166,7 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         payload = self.post("/generate", body)
         if self._abort.is_set():
             raise GenerationAborted(f"generate on {self.url} was aborted")
-        samples = parse_generate_response(payload, requests)
+        samples = parse_generate_response(payload, requests, vocab_size=self.vocab_size)
         if cut_at:
             samples = [cut_at_stop(s, cut_at) for s in samples]
         return [samples[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]

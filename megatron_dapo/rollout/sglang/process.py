@@ -1,6 +1,6 @@
-"""Process-tree handling for a launched server (Linux): the parent-death signal, a port probe, the
-worker processes (with start times against PID reuse), the kill of a whole process group, a log tail.
-Nothing here knows SGLang; `server.SGLangServer` uses it."""
+"""Process-tree handling for a launched server (Linux): its start (own session, stop signals blocked, the
+parent-death signal, a watchdog), a port probe, the worker processes (with start times against PID reuse),
+the kill of a whole process group, a log tail. Nothing here knows SGLang; `server.SGLangServer` uses it."""
 
 from __future__ import annotations
 
@@ -8,27 +8,74 @@ import os
 import signal
 import socket
 import subprocess
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+from megatron_dapo.stop_signals import block_stop_signals
 
-def parent_death_signal_setter() -> Any:
-    """A preexec_fn asking the kernel to SIGTERM the server when the launching thread dies (Linux).
 
-    libc is loaded here, in the parent: the function that runs between fork and exec imports nothing.
-    """
+# The server's process, in its own session (pgid = its pid), execs the server after leaving a watchdog in
+# the group: the watchdog reads its stdin, a pipe the trainer holds, until the trainer is gone (EOF), then
+# waits $0 seconds and SIGKILLs the whole group (itself included; a group outlives its leader, so the pgid is
+# never another's). Double-forked, so the server's own cleanup (SGLang kills its child processes) spares it.
+_WATCHDOG = 'exec 3<&0 </dev/null; ( (read -r _ <&3; sleep "$0"; kill -9 0) & ); exec 3<&-; exec "$@"'
+# `python -m MODULE ...` for a server, run through this: multiprocessing's resource tracker, started by the
+# server's first child process, unblocks SIGTERM in the thread that starts it (CPython 3.11); started first
+# and the block taken again, SIGTERM stays blocked in the server and in every process it spawns.
+_BLOCKED_MAIN = ("import runpy, signal, sys; from multiprocessing import resource_tracker; "
+                 "resource_tracker.ensure_running(); "
+                 "signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGUSR1)); "
+                 "sys.argv.pop(0); runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+STOP_SIGNAL = signal.SIGINT
+"""How a server is asked to stop (graceful in SGLang and uvicorn); SIGTERM and SIGUSR1 are blocked in it."""
+WATCHDOG_GRACE_S = 5.0
+"""At most this long after its trainer is gone, a server's process group is SIGKILLed."""
+
+
+def start_server_process(cmd: Sequence[str], *, stdout: Any, env: dict[str, str], kill_with_parent: bool,
+                         grace_s: float) -> tuple[subprocess.Popen, int | None]:
+    """Start `cmd` in a new session with the trainer's stop signals blocked (stop_signals.py: Slurm's SIGTERM to
+    every process of the job must leave the server serving until the trainer has saved). With
+    `kill_with_parent`, the kernel sends it STOP_SIGNAL when the launching thread dies (PR_SET_PDEATHSIG),
+    and a watchdog SIGKILLs its process group min(`grace_s`, WATCHDOG_GRACE_S) after the trainer is gone, when
+    a hung server (in start-up, say) ignores that. Returns the process and the watchdog pipe's write end, which the caller
+    keeps open while it owns the server (None without `kill_with_parent`)."""
+    cmd = list(cmd)
+    if cmd[1:2] == ["-m"]:
+        cmd[1:2] = ["-c", _BLOCKED_MAIN]
+    preexec = _server_preexec(kill_with_parent)
+    common = dict(stdout=stdout, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=preexec)
+    if not kill_with_parent:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, **common), None
+    read, write = os.pipe()
     try:
-        import ctypes
+        grace = f"{min(grace_s, WATCHDOG_GRACE_S):g}"
+        proc = subprocess.Popen(["/bin/sh", "-c", _WATCHDOG, grace, *cmd], stdin=read, **common)
+    except BaseException:
+        os.close(write)
+        raise
+    finally:
+        os.close(read)
+    return proc, write
 
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
 
-    def set_pdeathsig() -> None:
-        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _server_preexec(kill_with_parent: bool) -> Callable[[], None]:
+    """The function that runs in the child between fork and exec; libc is loaded here, in the parent."""
+    prctl = None
+    if kill_with_parent:
+        with suppress(OSError, AttributeError):
+            import ctypes
 
-    return set_pdeathsig
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def preexec() -> None:
+        block_stop_signals()
+        if prctl is not None:
+            prctl(1, STOP_SIGNAL)  # PR_SET_PDEATHSIG
+
+    return preexec
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -58,12 +105,12 @@ def same_process(pid: int, started: float) -> bool:
 
 
 def kill_process_group(proc: subprocess.Popen, children: list[tuple[int, float]], grace_s: float) -> None:
-    """SIGTERM `proc`'s process group, SIGKILL it after `grace_s`; also SIGKILL the `children` (from
+    """STOP_SIGNAL to `proc`'s process group, SIGKILL it after `grace_s`; also SIGKILL the `children` (from
     `child_processes`) still alive, which may have left the group or outlived the parent. By PID,
     never by name."""
     if proc.poll() is None:
         with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, STOP_SIGNAL)
         with suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace_s)
     for pid, started in children:

@@ -35,9 +35,9 @@ from megatron_dapo.rollout.sglang.process import (
     child_processes,
     file_tail,
     kill_process_group,
-    parent_death_signal_setter,
     port_in_use,
     same_process,
+    start_server_process,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -110,6 +110,7 @@ class SGLangServer:
         self.log_path = log_dir / f"sglang-{host}-{self.port}.log"
         self._closed = False
         self._proc: subprocess.Popen | None = None
+        self._watchdog: int | None = None  # the write end of the pipe the server's watchdog reads
         self._children: list[tuple[int, float]] = []
         self.attached = attach
         self._cmd = self._launch_command(dtype, colocate, max_total_tokens, extra_args)
@@ -181,20 +182,24 @@ class SGLangServer:
             shown = [("--api-key=<api key>" if a.startswith("--api-key=") else a) for a in self._cmd]
             log.write(("$ " + shlex.join(shown) + "\n").encode())
             log.flush()
-            self._proc = subprocess.Popen(
-                self._cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self._server_env(),
-                start_new_session=True,
-                preexec_fn=parent_death_signal_setter() if self.kill_with_parent else None,
-            )
+            self._proc, self._watchdog = start_server_process(
+                self._cmd, stdout=log, env=self._server_env(), kill_with_parent=self.kill_with_parent,
+                grace_s=self.shutdown_grace_s)
         _LIVE_SERVERS.add(self)
         self._started_at = time.monotonic()
 
     def wait_ready(self) -> None:
-        """Wait for /health (up to cfg.startup_timeout_s from the start); on failure stop it and raise."""
+        """Wait for /health (up to cfg.startup_timeout_s from the start); on failure stop it and raise.
+        Interrupted (a stop signal while the trainer starts), it kills the server at once: nothing to save."""
+        try:
+            self._wait_ready()
+        except BaseException:
+            self._closed = True
+            self._kill(grace_s=0.0)  # also the watchdog of a server that exited
+            _LIVE_SERVERS.discard(self)
+            raise
+
+    def _wait_ready(self) -> None:
         deadline = self._started_at + self.cfg.startup_timeout_s
         while True:
             if self._proc is not None and self._proc.poll() is not None:
@@ -264,10 +269,13 @@ class SGLangServer:
             f"--- last lines of {self.log_path} ---\n{self.log_tail()}"
         )
 
-    def _kill(self) -> None:
-        """SIGTERM the server's process group, SIGKILL it after the grace period; by PID, never by name."""
+    def _kill(self, grace_s: float | None = None) -> None:
+        """Ask the server's process group to stop, SIGKILL it after the grace period; by PID, never by name."""
         if self._proc is not None:
-            kill_process_group(self._proc, self._children, self.shutdown_grace_s)
+            kill_process_group(self._proc, self._children, self.shutdown_grace_s if grace_s is None else grace_s)
+        if self._watchdog is not None:
+            os.close(self._watchdog)
+            self._watchdog = None
 
     def shutdown(self) -> None:
         """Stop the server (an attached one is only let go); idempotent."""

@@ -30,6 +30,7 @@ import torch
 from megatron_dapo.parallel import free_port
 from megatron_dapo.rollout.sglang.server import SGLangServer
 from megatron_dapo.rollout.sglang.wire import aligned_layout, broadcast_payload, flat_views
+from megatron_dapo.stop_signals import helpers_shielded
 
 # --------------------------------------------------------------------- tensor transport (shared memory)
 
@@ -52,8 +53,8 @@ _SHM_MANAGER_STARTED = False
 def _start_shm_manager_quietly() -> None:
     """Start torch's shm manager daemon with /dev/null as stdout/stderr.
 
-    The file_system sharing strategy spawns `torch_shm_manager`, which inherits and keeps open this
-    process's stdout/stderr; a parent that reads our output through a pipe would then wait for EOF
+    The file_system sharing strategy spawns `torch_shm_manager` (with the trainer's stop signals blocked: it
+    must outlive a SIGTERM to the whole job), which inherits and keeps open this process's stdout/stderr; a parent that reads our output through a pipe would then wait for EOF
     as long as the SGLang server holds a segment. Spawning it once with /dev/null avoids that.
     """
     global _SHM_MANAGER_STARTED
@@ -66,7 +67,7 @@ def _start_shm_manager_quietly() -> None:
     try:
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
-        with _file_system_sharing():
+        with _file_system_sharing(), helpers_shielded():
             torch.empty(1).share_memory_()
     finally:
         os.dup2(saved[0], 1)

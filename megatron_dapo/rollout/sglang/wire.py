@@ -8,12 +8,13 @@ for the three weight transports.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from megatron_dapo.rollout.base import GenerationAborted, SamplingParams
+from megatron_dapo.rollout.base import GenerationAborted, NonFiniteLogitsError, SamplingParams
 from megatron_dapo.types import FinishReason, Sample
 
 _ALIGN = 64
@@ -126,13 +127,15 @@ def generated_tokens(payload: Any) -> int:
     return sum(len(item.get("output_ids") or []) for item in items)
 
 
-def parse_generate_response(payload: Any, prompts: Sequence[Sequence[int]], aborted_ok: bool = False
-                            ) -> list[Sample]:
+def parse_generate_response(payload: Any, prompts: Sequence[Sequence[int]], aborted_ok: bool = False,
+                            vocab_size: int | None = None) -> list[Sample]:
     """SGLang /generate JSON (one dict per request, in request order) -> Samples.
 
     Raises GenerationAborted if any request finished with type "abort" (`aborted_ok`: such a request is a
     Sample with finish_reason "abort" and the tokens it has logprobs for), ValueError on a malformed
-    payload (the message names the request index).
+    payload (the message names the request index), NonFiniteLogitsError when a logprob is NaN/inf (SGLang's
+    JSON writes them as null) or a token id lies outside [0, `vocab_size`): what a server samples from NaN
+    logits.
     """
     items = payload if isinstance(payload, list) else [payload]
     if len(items) != len(prompts):
@@ -154,6 +157,7 @@ def parse_generate_response(payload: Any, prompts: Sequence[Sequence[int]], abor
             raise ValueError(f"request {i}: {len(out_ids)} output ids but logprobs {lps!r:.200}")
         if any(int(tok) != t for (_, tok, *_), t in zip(lps, out_ids)):
             raise ValueError(f"request {i}: logprob token ids do not match output_ids")
+        _check_finite(i, out_ids, [lp for lp, *_ in lps], vocab_size)
         finish: FinishReason = reason
         samples.append(
             Sample(
@@ -164,6 +168,15 @@ def parse_generate_response(payload: Any, prompts: Sequence[Sequence[int]], abor
             )
         )
     return samples
+
+
+def _check_finite(request: int, ids: list[int], logprobs: list[Any], vocab_size: int | None) -> None:
+    bad_lp = [lp for lp in logprobs if lp is None or not math.isfinite(float(lp))]
+    bad_ids = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad_lp or bad_ids:
+        raise NonFiniteLogitsError(
+            f"request {request}: the server's logits are not finite: {len(bad_lp)} of {len(ids)} logprobs "
+            f"null/NaN/inf, {len(bad_ids)} token ids outside the vocabulary ({vocab_size}){bad_ids[:3]}")
 
 
 def cut_at_stop(sample: Sample, stop: set[int]) -> Sample:
