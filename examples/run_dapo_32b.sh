@@ -104,7 +104,6 @@ DAPO_ARGS=(
   algo.eps_low=0.2
   algo.eps_high=0.28                     # Clip-Higher
   algo.loss_agg_mode=token-mean          # token-level policy gradient loss
-  algo.kl_coef=0.0                       # no KL term
   algo.dynamic_sampling=true
   algo.max_gen_rounds=10
   algo.gen_batch_multiplier=3.0          # 1536 prompts per generation round

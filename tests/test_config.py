@@ -27,7 +27,7 @@ def test_defaults_are_valid_and_dapo():
     assert (cfg.algo.eps_low, cfg.algo.eps_high) == (None, None)
     assert clip_range(policy_loss_spec("dapo"), cfg.algo.eps_low, cfg.algo.eps_high) == (0.2, 0.28)
     assert cfg.algo.loss_agg_mode == "token-mean"
-    assert cfg.algo.kl_coef == 0.0
+    assert not hasattr(cfg.algo, "kl_coef")  # DAPO removes the KL term: no setting pretends otherwise
     assert cfg.algo.dynamic_sampling
 
 
@@ -163,7 +163,7 @@ def test_yaml_scientific_notation_is_a_float(tmp_path):
     (["reward.overlong_cache_len=20480"], "overlong_cache_len"),
     (["algo.group_size=1"], "group_size"),
     (["algo.eps_low=1.0"], "eps_low"),
-    (["algo.kl_coef=0.01"], "kl_coef"),
+    (["algo.kl_coef=0.01"], "unknown config key 'algo.kl_coef'"),
     (["eval.top_p=0"], "eval.top_p"),
     (["parallel.sequence_parallel=true"], "sequence_parallel"),
     (["actor.optimizer.lr=0"], "optimizer.lr"),
@@ -270,3 +270,21 @@ def test_each_loss_takes_what_it_uses():
     assert clip_range(policy_loss_spec("gspo"), cfg.algo.eps_low, cfg.algo.eps_high) == (3e-4, 4e-4)
     cfg = load_config(None, ["algo.policy_loss=dr_grpo", "algo.eps_low=0.1"])
     assert clip_range(policy_loss_spec("dr_grpo"), cfg.algo.eps_low, cfg.algo.eps_high) == (0.1, 0.2)
+
+
+def test_the_prompt_template_names_are_the_templates_the_data_layer_holds():
+    from megatron_dapo.config.schema import PROMPT_TEMPLATES
+    from megatron_dapo.data.templates import BUILTIN_TEMPLATES
+
+    assert PROMPT_TEMPLATES == ("auto", *BUILTIN_TEMPLATES)
+
+
+def test_a_resumed_run_may_change_only_what_the_fields_say():
+    from megatron_dapo.config.ranges import may_change_on_resume
+
+    cfg = Config()
+    for key in ("train.steps", "model.load", "checkpoint.dir", "checkpoint.save_every", "logging.run_name",
+                "logging.wandb.project", "rollout.sglang.base_port"):
+        assert may_change_on_resume(cfg, key), key
+    for key in ("train.seed", "algo.eps_high", "rollout.max_response_len", "logging.samples_every", "nope.x"):
+        assert not may_change_on_resume(cfg, key), key

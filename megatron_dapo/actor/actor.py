@@ -14,6 +14,7 @@ from megatron_dapo.actor.batching import MicroBatch, micro_batches, split_rows
 from megatron_dapo.actor.model import ModelSpec, build_model, final_hidden_states, output_weight, param_dtype
 from megatron_dapo.actor.optimizer import build_optimizer, build_scheduler, current_lr, wrap_ddp
 from megatron_dapo.config import ActorConfig, AlgoConfig, ModelConfig, ParallelConfig
+from megatron_dapo.config.sizing import resolve_micro_batches
 from megatron_dapo.kernels import linear_logprobs_and_entropy, loss_from_logprobs, token_logprobs_and_entropy
 from megatron_dapo.offload import HostOffload, device_bytes
 from megatron_dapo.types import TrainBatch
@@ -48,7 +49,9 @@ class Actor:
         `temperature`: the rollout's sampling temperature; pi_old and pi_theta use logits / temperature,
         as the engine does (0 = greedy rollouts: plain logits). `max_response_len`: the rollout's L_max
         (Dr. GRPO's normaliser)."""
-        self.spec, self.cfg = spec, actor_cfg
+        self.spec = spec
+        self.cfg = resolve_micro_batches(actor_cfg, spec.vocab_size, par_cfg.tensor_parallel,
+                                         on_gpu=torch.cuda.is_available())  # 0 = sized from the vocabulary
         self.algo = algo if algo is not None else AlgoConfig()
         self.max_response_len = max_response_len
         self.temperature = temperature if temperature > 0 else 1.0

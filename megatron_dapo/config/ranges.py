@@ -1,9 +1,10 @@
-"""The valid range of every numeric field of the config tree, in one table (interval notation).
+"""The valid range of every numeric field of the config tree, read from the field itself (schema.knob), and
+what a resumed run may change.
 
 `range_problems(cfg)` checks each value against its interval: NaN is never inside one, and `inf` only
 where the interval is closed at infinity (none is). A field that is None where its type allows None is
-not checked. tests/test_config_ranges.py walks the dataclasses and fails when a numeric field has no
-entry here, so a new field cannot skip this check.
+not checked. A numeric field that declares no interval is reported (tests/test_config_ranges.py walks the
+dataclasses too), so a new field cannot skip this check.
 """
 
 from __future__ import annotations
@@ -15,68 +16,6 @@ import typing
 from typing import Any
 
 INF = math.inf
-
-# key -> (interval, optional reason shown after the message)
-RANGES: dict[str, tuple[str, str]] = {
-    "parallel.tensor_parallel": ("[1, inf)", ""),
-    "parallel.pipeline_parallel": ("[1, inf)", ""),
-    "parallel.expert_parallel": ("[1, inf)", ""),
-    "parallel.timeout_s": ("(0, inf)", ""),
-    "actor.optimizer.lr": ("(0, 1]", "an AdamW step moves every weight by about lr; the paper uses 1e-6"),
-    "actor.optimizer.warmup_steps": ("[0, inf)", ""),
-    "actor.optimizer.weight_decay": ("[0, inf)", ""),
-    "actor.optimizer.grad_clip": ("[0, inf)", "0 disables clipping"),
-    "actor.optimizer.adam_beta1": ("[0, 1)", ""),
-    "actor.optimizer.adam_beta2": ("[0, 1)", ""),
-    "actor.optimizer.adam_eps": ("(0, inf)", ""),
-    "actor.micro_batch_tokens": ("[0, inf)", "0 = sized from the vocabulary"),
-    "actor.logprob_micro_batch_tokens": ("[0, inf)", "0 = sized from the vocabulary"),
-    "rollout.max_prompt_len": ("[1, inf)", ""),
-    "rollout.max_response_len": ("[1, inf)", ""),
-    "rollout.temperature": ("[0, inf)", "0 = greedy"),
-    "rollout.top_p": ("(0, 1]", ""),
-    "rollout.weight_sync_bucket_mb": ("[1, inf)", ""),
-    "rollout.max_inflight_groups": ("[0, inf)", "0 = automatic"),
-    "rollout.max_carry_steps": ("[0, inf)", "0 = no bound"),
-    "rollout.sglang.mem_fraction_static": ("(0, 1)", ""),
-    "rollout.sglang.tensor_parallel": ("[1, inf)", ""),
-    "rollout.sglang.num_servers": ("[0, inf)", "0 = fill the node"),
-    "rollout.sglang.base_port": ("[1, 65535]", ""),
-    "rollout.sglang.startup_timeout_s": ("(0, inf)", ""),
-    "rollout.sglang.request_timeout_s": ("(0, inf)", ""),
-    "reward.overlong_cache_len": ("[0, inf)", ""),
-    "reward.overlong_penalty_factor": ("[0, inf)", ""),
-    "reward.timeout_s": ("[0, inf)", "0 = no limit"),
-    "algo.group_size": ("[2, inf)", "group advantages need G >= 2"),
-    "algo.eps_low": ("[0, 1)", "or null for the policy loss's default"),
-    "algo.eps_high": ("[0, inf)", "or null for the policy loss's default"),
-    "algo.kl_coef": ("[0, inf)", ""),
-    "algo.entropy_coef": ("(-inf, inf)", ""),
-    "algo.max_gen_rounds": ("[1, inf)", ""),
-    "algo.gen_batch_multiplier": ("[1, inf)", ""),
-    "algo.epochs_per_rollout": ("[1, inf)", ""),
-    "algo.clip_ratio_c": ("(1, inf)", "or null for no dual-clip"),
-    "algo.rollout_correction_threshold": ("(0, inf)", ""),
-    "algo.rollout_correction_threshold_low": ("(0, inf)", ""),
-    "data.max_prompt_chars": ("[1, inf)", ""),
-    "eval.every_steps": ("[0, inf)", "0 = never"),
-    "eval.n_samples": ("[1, inf)", ""),
-    "eval.temperature": ("[0, inf)", ""),
-    "eval.top_p": ("(0, 1]", ""),
-    "eval.max_prompts": ("[1, inf)", ""),
-    "train.steps": ("[1, inf)", ""),
-    "train.prompt_batch_size": ("[1, inf)", ""),
-    "train.mini_batch_size": ("[1, inf)", ""),
-    "train.seed": ("[0, inf)", ""),
-    "train.rollout_budget": ("[0, inf)", "0 = no limit"),
-    "checkpoint.save_every": ("[0, inf)", "0 = only at the end"),
-    "checkpoint.keep_last": ("[1, inf)", ""),
-    "logging.entropy_collapse_frac": ("[0, 1]", ""),
-    "logging.samples_every": ("[0, inf)", "0 = never (evaluations still write theirs)"),
-    "logging.samples_per_step": ("[0, inf)", ""),
-    "logging.length_blowup_frac": ("(0, 1]", ""),
-}
-
 
 class Interval(typing.NamedTuple):
     low: float
@@ -105,16 +44,16 @@ def parse_interval(text: str) -> Interval:
     return Interval(low, high, text[0] == "(", text[-1] == ")")
 
 
-def numeric_fields(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """dotted key -> value of every int / float (or optional int / float) field under the dataclass `obj`."""
-    out: dict[str, Any] = {}
+def numeric_fields(obj: Any, prefix: str = "") -> dict[str, tuple[Any, dataclasses.Field]]:
+    """dotted key -> (value, field) of every int / float (or optional int / float) field under `obj`."""
+    out: dict[str, tuple[Any, dataclasses.Field]] = {}
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value, tp = getattr(obj, f.name), hints[f.name]
         if dataclasses.is_dataclass(value):
             out.update(numeric_fields(value, f"{prefix}{f.name}."))
         elif _is_numeric(tp):
-            out[f"{prefix}{f.name}"] = value
+            out[f"{prefix}{f.name}"] = (value, f)
     return out
 
 
@@ -127,14 +66,31 @@ def _is_numeric(tp: Any) -> bool:
 def range_problems(cfg: Any) -> list[str]:
     """One line per numeric field of `cfg` outside its interval (or without one: a bug)."""
     problems = []
-    for key, value in numeric_fields(cfg).items():
-        if key not in RANGES:
-            problems.append(f"{key}: no valid range declared (megatron_dapo/config/ranges.py)")
+    for key, (value, f) in numeric_fields(cfg).items():
+        interval_text, why = f.metadata.get("interval"), f.metadata.get("why", "")
+        if interval_text is None:
+            problems.append(f"{key}: no valid range declared (megatron_dapo/config/schema.py: knob)")
             continue
         if value is None:
             continue
-        interval_text, why = RANGES[key]
         interval = parse_interval(interval_text)
         if value not in interval:
             problems.append(f"{key}={value} must be {interval.describe()}" + (f" ({why})" if why else ""))
     return problems
+
+
+def may_change_on_resume(cfg: Any, dotted: str) -> bool:
+    """Whether setting `dotted` ("train.steps") may differ in a resumed run (schema.knob's on_resume, or
+    its section's ON_RESUME)."""
+    node: Any = cfg
+    *path, name = dotted.split(".")
+    for part in path:
+        if getattr(node, "ON_RESUME", False):
+            return True
+        node = getattr(node, part, None)
+        if not dataclasses.is_dataclass(node):
+            return False
+    if getattr(node, "ON_RESUME", False):
+        return True
+    fields = {f.name: f for f in dataclasses.fields(node)}
+    return name in fields and bool(fields[name].metadata.get("on_resume"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 FilterMetric = Literal["acc", "score"]
@@ -18,6 +18,15 @@ POLICY_LOSSES = ("dapo", "gspo", "cispo", "dr_grpo")
 """The built-in policy losses (algo/policy_losses.py registers them, in this order)."""
 REWARDS = ("math_dapo", "math_verify")
 """The built-in verifiers (reward/custom.py)."""
+PROMPT_TEMPLATES = ("auto", "dapo_math", "gsm8k", "raw")
+"""data.prompt_template's built-in names (data/templates.py holds the templates)."""
+
+
+def knob(default: Any, interval: str | None = None, why: str = "", *, on_resume: bool = False) -> Any:
+    """A field's default with what else the config knows of it: the valid interval of a number (interval
+    notation, checked by validate(); `why` is shown when a value falls outside) and whether a resumed run
+    may change it without being "a different run" (`on_resume`; a whole section: ON_RESUME = True)."""
+    return field(default=default, metadata={"interval": interval, "why": why, "on_resume": on_resume})
 
 
 class ConfigError(ValueError):
@@ -31,17 +40,17 @@ class ConfigError(ValueError):
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    tensor_parallel: int = 1
+    tensor_parallel: int = knob(1, "[1, inf)")
     """Megatron tensor-parallel size (TP)."""
-    pipeline_parallel: int = 1
+    pipeline_parallel: int = knob(1, "[1, inf)")
     """Megatron pipeline-parallel size (PP); DP = world_size / (TP * PP)."""
-    expert_parallel: int = 1
+    expert_parallel: int = knob(1, "[1, inf)")
     """Mixture-of-experts models: experts split over this many ranks (EP), inside the TP x DP ranks of a
     pipeline stage; must divide num_experts and world_size / (TP * PP)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend; auto = nccl with CUDA, gloo without. nccl is `cpu:gloo,cuda:nccl`: device
     tensors go over NCCL, the host-side control messages (headers, counts, flags) over gloo beside it."""
-    timeout_s: float = 1800.0
+    timeout_s: float = knob(1800.0, "(0, inf)")
     """Limit on one collective among the ranks (a rank that stops answering fails the job after it). The
     other ranks wait for the driver's rollout, evaluation and server start-up host-side (on the rendezvous
     store, as long as the driver lives), not in a collective: hours-long rollouts need no longer limit."""
@@ -53,7 +62,7 @@ class ParallelConfig:
 class ModelConfig:
     hf_dir: str | None = None
     """Hugging Face checkpoint dir (config.json, weights, tokenizer) the policy starts from."""
-    load: str | None = None
+    load: str | None = knob(None, on_resume=True)
     """Megatron distributed checkpoint to start from instead of hf_dir's weights."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Parameter dtype: auto = bf16 on GPU (fp32 main grads), fp32 on CPU."""
@@ -68,17 +77,17 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    lr: float = 1e-6
+    lr: float = knob(1e-6, "(0, 1]", "an AdamW step moves every weight by about lr; the paper uses 1e-6")
     """AdamW learning rate (paper: 1e-6), constant after warm-up; at most 1."""
-    warmup_steps: int = 20
+    warmup_steps: int = knob(20, "[0, inf)")
     """Linear warm-up over this many optimizer updates (paper: 20)."""
-    weight_decay: float = 0.1
+    weight_decay: float = knob(0.1, "[0, inf)")
     """AdamW decoupled weight decay."""
-    grad_clip: float = 1.0
+    grad_clip: float = knob(1.0, "[0, inf)", "0 disables clipping")
     """Clip the global gradient norm to this value (0 disables)."""
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
+    adam_beta1: float = knob(0.9, "[0, 1)")
+    adam_beta2: float = knob(0.999, "[0, 1)")
+    adam_eps: float = knob(1e-8, "(0, inf)")
     distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (Megatron distributed optimizer)."""
 
@@ -86,12 +95,12 @@ class OptimizerConfig:
 @dataclass(kw_only=True)
 class ActorConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    micro_batch_tokens: int = 0
+    micro_batch_tokens: int = knob(0, "[0, inf)", "0 = sized from the vocabulary")
     """Token budget of one training micro-batch (samples are packed up to it). 0 = from the vocabulary
     (config/sizing.py): the largest power of two <= 16384 whose fp32 logits shard (tokens x vocab / TP
     x 4 bytes) fits in 256 MiB on CPU, 2 GiB on GPU: 16384 for a small vocabulary, 1024 for a 49k one
     on CPU. Logits dominate a small model's memory at real vocabularies."""
-    logprob_micro_batch_tokens: int = 0
+    logprob_micro_batch_tokens: int = knob(0, "[0, inf)", "0 = sized from the vocabulary")
     """Token budget of one micro-batch when computing pi_old log-probs; 0 = as above with twice the
     budget, at most 32768."""
     offload_when_idle: bool = True
@@ -110,20 +119,20 @@ class ActorConfig:
 
 @dataclass(kw_only=True)
 class SGLangConfig:
-    mem_fraction_static: float = 0.6
+    mem_fraction_static: float = knob(0.6, "(0, 1)")
     """Fraction of GPU memory SGLang takes for weights + KV cache when colocated."""
-    tensor_parallel: int = 1
+    tensor_parallel: int = knob(1, "[1, inf)")
     """TP size of each SGLang server (one server per rollout TP group)."""
-    num_servers: int = 0
+    num_servers: int = knob(0, "[0, inf)", "0 = fill the node")
     """SGLang servers per node, one per rollout TP group (0 = fill the node: visible GPUs // TP, one on
     CPU). Server k uses GPUs k*TP .. k*TP+TP-1; prompts are split evenly over all servers of the job,
     weight updates go to every one."""
-    base_port: int = 30000
+    base_port: int = knob(30000, "[1, 65535]", on_resume=True)
     """First port; server k listens on base_port + k, bound to 127.0.0.1. Keep the ports outside 22000-29999:
     SGLang draws each server's torch.distributed port there, and one may take a port a server binds later."""
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = knob(600.0, "(0, inf)", on_resume=True)
     """Fail (naming the server log) if /health does not answer within this time."""
-    request_timeout_s: float = 3600.0
+    request_timeout_s: float = knob(3600.0, "(0, inf)", on_resume=True)
     """Fail a /generate call that takes longer than this."""
     weight_sync: Literal["tensor", "distributed", "disk"] = "tensor"
     """tensor = colocated in-memory buckets; distributed = NCCL broadcast; disk = via files."""
@@ -137,15 +146,15 @@ class RolloutConfig:
     """Rollout engine: embedded (in-process, CPU default) or SGLang servers."""
     colocate: bool = True
     """Hybrid engine: rollout and actor share the devices; each sleeps while the other works."""
-    max_prompt_len: int = 2048
+    max_prompt_len: int = knob(2048, "[1, inf)")
     """Prompts longer than this many tokens are skipped by the data loader."""
-    max_response_len: int = 20480
+    max_response_len: int = knob(20480, "[1, inf)")
     """Hard generation limit L_max (paper: 16384 expected + 4096 buffer = 20480)."""
-    temperature: float = 1.0
+    temperature: float = knob(1.0, "[0, inf)", "0 = greedy")
     """Sampling temperature for training rollouts (paper: 1.0)."""
-    top_p: float = 1.0
+    top_p: float = knob(1.0, "(0, 1]")
     """Nucleus sampling for training rollouts (paper: 1.0)."""
-    weight_sync_bucket_mb: int = 512
+    weight_sync_bucket_mb: int = knob(512, "[1, inf)")
     """Size of one weight-sync bucket in MiB (actor -> rollout)."""
     weight_sync_probe: bool = True
     """After every weight sync the engine and the actor score one fixed 16-token sequence; a mean logprob
@@ -157,14 +166,14 @@ class RolloutConfig:
     groups, aborting the rest. It keeps the groups that finish first, so its responses run shorter than
     the rounds' when lengths have a long tail (partial_rollout continues the aborted ones instead).
     false = the paper's Algorithm 1 exactly: synchronous rounds (loop/collect.py)."""
-    max_inflight_groups: int = 0
+    max_inflight_groups: int = knob(0, "[0, inf)", "0 = automatic")
     """Streaming: at most this many groups submitted and unfinished (0 = 2 x ceil(N x
     gen_batch_multiplier))."""
     partial_rollout: bool = False
     """Streaming: the groups a step aborts continue in the next step from where they
     stopped (slime's partial rollout) instead of being dropped; their earlier tokens were sampled by an
     older policy (rollout correction weighs them). The carried groups are saved in checkpoints."""
-    max_carry_steps: int = 4
+    max_carry_steps: int = knob(4, "[0, inf)", "0 = no bound")
     """Partial rollout: a group is carried into at most this many later steps, so its oldest tokens are at
     most this many policy updates stale; one still unfinished after that is dropped when the step aborts
     it (rollout/dropped_stale_groups; its tokens count as wasted). 0 = no bound."""
@@ -180,14 +189,14 @@ class RewardConfig:
     or `module.path:function`, a callable (response, ground_truth, sample) -> reward.RewardResult,
     imported once. A math_verify or user call that raises, times out or returns something else scores -1
     and is counted (reward/failures), the first one logged with its traceback."""
-    timeout_s: float = 10.0
+    timeout_s: float = knob(10.0, "[0, inf)", "0 = no limit")
     """Limit on one call of math_verify or a user reward function (0 = none); math_dapo is bounded and needs
     none."""
     soft_overlong_punishment: bool = True
     """Add eq. 13's length-aware penalty inside the last cache_len tokens before L_max."""
-    overlong_cache_len: int = 4096
+    overlong_cache_len: int = knob(4096, "[0, inf)")
     """L_cache of eq. 13: the punishment interval before rollout.max_response_len (paper: 4096)."""
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: float = knob(1.0, "[0, inf)")
     """Scale of the soft overlong penalty (eq. 13 reaches -factor at L_max)."""
     answer_fallback: Literal["none", "boxed"] = "none"
     """Where the answer is read: none = only the last "Answer:" line (the DAPO rule; the DAPO-Math-17K
@@ -198,7 +207,7 @@ class RewardConfig:
 
 @dataclass(kw_only=True)
 class AlgoConfig:
-    group_size: int = 16
+    group_size: int = knob(16, "[2, inf)", "group advantages need G >= 2")
     """G: responses sampled per prompt (paper: 16)."""
     policy_loss: str = "dapo"
     """The loss (algo/policy_losses.py): dapo = eq. 10's token-level clip-higher loss; gspo = GSPO's
@@ -206,19 +215,17 @@ class AlgoConfig:
     log pi; dr_grpo = Dr. GRPO (Liu et al. 2025: advantages not divided by the group std, token sums /
     (sequences x rollout.max_response_len)); or `module.path:function`, a function decorated with
     register_policy_loss."""
-    eps_low: float | None = None
+    eps_low: float | None = knob(None, "[0, 1)", "or null for the policy loss's default")
     """Lower clip range: ratio is clipped at 1 - eps_low for negative advantages. None = the loss's default:
     0.2 (dapo, the paper's; dr_grpo), 3e-4 (gspo); cispo has no lower bound and takes none."""
-    eps_high: float | None = None
+    eps_high: float | None = knob(None, "[0, inf)", "or null for the policy loss's default")
     """Upper clip range, decoupled (Clip-Higher). None = the loss's default: 0.28 (dapo, the paper's),
     0.2 (dr_grpo; eps_high = eps_low is vanilla PPO), 4e-4 (gspo); for cispo the cap of its weight
     min(r, eps_high), 5 by default (ScaleRL's)."""
     loss_agg_mode: LossAggMode = "token-mean"
     """token-mean = DAPO token-level loss; seq-mean-token-mean = GRPO; seq-mean-token-sum. dr_grpo has its own
     constant normaliser and takes token-mean."""
-    kl_coef: float = 0.0
-    """KL penalty to a reference policy; DAPO removes it (0). Only 0 is supported."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = knob(0.0, "(-inf, inf)")
     """Entropy bonus in the loss; 0 = entropy is monitored only."""
     overlong_filtering: bool = False
     """Mask truncated responses (finish reason "length") out of the loss."""
@@ -228,15 +235,15 @@ class AlgoConfig:
     """What makes a group informative for dynamic sampling: acc = 0 < #correct < G (paper eq. 11);
     score = its rewards differ, which also keeps all-wrong groups that differ only by the soft
     overlong penalty. The kept fraction and the adaptive round size follow it."""
-    max_gen_rounds: int = 10
+    max_gen_rounds: int = knob(10, "[1, inf)")
     """Cap on generation rounds per step when dynamic sampling keeps too few groups."""
     on_rounds_exhausted: OnExhausted = "train_partial"
     """When the cap is hit: train on the informative groups found (with a warning) or stop."""
-    gen_batch_multiplier: float = 1.0
+    gen_batch_multiplier: float = knob(1.0, "[1, inf)")
     """Prompts per generation round = multiplier * train.prompt_batch_size (verl: 3.0)."""
-    epochs_per_rollout: int = 1
+    epochs_per_rollout: int = knob(1, "[1, inf)")
     """Passes over each rollout batch; updates per step = epochs * batch / mini_batch."""
-    clip_ratio_c: float | None = None
+    clip_ratio_c: float | None = knob(None, "(1, inf)", "or null for no dual-clip")
     """Dual-clip bound c > 1: for negative advantages the token loss is capped at -c * A (verl's
     clip_ratio_c; its DAPO recipe uses 10). None = off, the paper's eq. 10."""
     old_logprob_source: Literal["recompute", "rollout"] = "recompute"
@@ -247,9 +254,9 @@ class AlgoConfig:
     (algo/rollout_correction.py): token_tis / seq_tis truncate the token / sequence ratio at the
     threshold; token_mis / seq_mis drop tokens / whole sequences whose ratio leaves
     [threshold_low, threshold]. none = no weights."""
-    rollout_correction_threshold: float = 2.0
+    rollout_correction_threshold: float = knob(2.0, "(0, inf)")
     """C: the truncation bound (tis) or the upper end of the kept band (mis); > 0."""
-    rollout_correction_threshold_low: float | None = None
+    rollout_correction_threshold_low: float | None = knob(None, "(0, inf)")
     """Lower end of the mis band; None = 1 / rollout_correction_threshold. Ignored by tis."""
 
 
@@ -259,7 +266,7 @@ class DataConfig:
     """Training prompts: DAPO-Math-17K parquet/jsonl, GSM8K jsonl, or builtin:arithmetic?..."""
     val_path: str | None = None
     """Validation prompts (same formats); None disables evaluation."""
-    max_prompt_chars: int | None = None
+    max_prompt_chars: int | None = knob(None, "[1, inf)")
     """Rows whose prompt text is longer than this are skipped (counted, reported)."""
     shuffle: bool = True
     """Reshuffle the training prompts every epoch (seeded)."""
@@ -278,32 +285,32 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    every_steps: int = 5
+    every_steps: int = knob(5, "[0, inf)", "0 = never")
     """Evaluate every this many steps (0 = never)."""
-    n_samples: int = 32
+    n_samples: int = knob(32, "[1, inf)")
     """k of avg@k: samples per validation prompt (paper: 32)."""
-    temperature: float = 1.0
+    temperature: float = knob(1.0, "[0, inf)")
     """Evaluation sampling temperature (paper: 1.0)."""
-    top_p: float = 0.7
+    top_p: float = knob(0.7, "(0, 1]")
     """Evaluation top-p (paper: 0.7)."""
-    max_prompts: int | None = None
+    max_prompts: int | None = knob(None, "[1, inf)")
     """Evaluate on at most this many validation prompts."""
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    steps: int = 100
+    steps: int = knob(100, "[1, inf)", on_resume=True)
     """Rollout steps to run."""
-    prompt_batch_size: int = 512
+    prompt_batch_size: int = knob(512, "[1, inf)")
     """Prompts per rollout step after dynamic sampling (paper: 512)."""
-    mini_batch_size: int = 32
+    mini_batch_size: int = knob(32, "[1, inf)")
     """Prompts per optimizer update, all their G responses included (paper: 512 responses = 32 prompts x 16,
     so 16 updates per step)."""
-    seed: int = 1
+    seed: int = knob(1, "[0, inf)")
     """Seeds data order, sampling and initialisation."""
     deterministic: bool = False
     """Deterministic algorithms (slower); required for exact resume comparisons."""
-    rollout_budget: int = 0
+    rollout_budget: int = knob(0, "[0, inf)", "0 = no limit")
     """Stop once this many responses have been generated (0 = no limit): equal-budget ablations. It counts
     finished responses: with streaming, the aborted ones are not counted (rollout/wasted_tokens shows
     their cost), so compare budgets between runs of one rollout mode."""
@@ -311,11 +318,14 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
+    ON_RESUME: ClassVar[bool] = True
+    """A resumed run may change any of these."""
+
     dir: str = "checkpoints"
     """Root folder; a run writes into <dir>/<logging.run_name>/."""
-    save_every: int = 50
+    save_every: int = knob(50, "[0, inf)", "0 = only at the end")
     """Save every this many steps (and at the end); 0 = only at the end."""
-    keep_last: int = 3
+    keep_last: int = knob(3, "[1, inf)")
     """Keep this many most recent checkpoints."""
     resume: str = "auto"
     """auto = continue from the newest checkpoint of this run that verifies; none; or a checkpoint path."""
@@ -328,6 +338,9 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True)
 class WandbConfig:
+    ON_RESUME: ClassVar[bool] = True
+    """A resumed run may change any of these."""
+
     enabled: bool = False
     """Mirror the TensorBoard scalars, the sampled responses (as tables) and the run's config to Weights &
     Biases (needs `pip install "megatron-dapo[wandb]"`). TensorBoard stays on and is the source of truth."""
@@ -342,18 +355,18 @@ class WandbConfig:
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    run_name: str = "dapo"
+    run_name: str = knob("dapo", on_resume=True)
     """Names the run's checkpoint and TensorBoard folders."""
-    tensorboard_dir: str = "runs"
+    tensorboard_dir: str = knob("runs", on_resume=True)
     """TensorBoard event files go to <tensorboard_dir>/<run_name>/."""
-    entropy_collapse_frac: float = 0.1
+    entropy_collapse_frac: float = knob(0.1, "[0, 1]")
     """Alarm when actor entropy falls below this fraction of its first value."""
-    length_blowup_frac: float = 0.95
+    length_blowup_frac: float = knob(0.95, "(0, 1]")
     """Alarm when the mean response length exceeds this fraction of max_response_len."""
-    samples_every: int = 10
+    samples_every: int = knob(10, "[0, inf)", "0 = never (evaluations still write theirs)")
     """Write sampled training responses to <tensorboard_dir>/<run_name>/samples/step_<k>.jsonl every this
     many steps (0 = never); every evaluation writes its own there too."""
-    samples_per_step: int = 32
+    samples_per_step: int = knob(32, "[0, inf)")
     """Responses per split (train / val) in each samples file; the first 4 also go to TensorBoard text."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
 

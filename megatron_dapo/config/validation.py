@@ -8,6 +8,7 @@ from megatron_dapo.config.model_checks import model_problems
 from megatron_dapo.config.ranges import range_problems
 from megatron_dapo.config.schema import (
     POLICY_LOSSES,
+    PROMPT_TEMPLATES,
     REWARD_FUNCTION,
     REWARDS,
     AlgoConfig,
@@ -37,8 +38,6 @@ def _problems(cfg: Config) -> list[str]:
     if t.prompt_batch_size % max(t.mini_batch_size, 1):
         p.append(f"train.mini_batch_size={t.mini_batch_size} must divide "
                  f"train.prompt_batch_size={t.prompt_batch_size}")
-    if a.kl_coef != 0.0:
-        p.append(f"algo.kl_coef={a.kl_coef}: DAPO removes the KL term; only 0 is supported")
     p += _correction_problems(a) + _policy_loss_problems(a)
     if cfg.reward.soft_overlong_punishment and not 0 < cfg.reward.overlong_cache_len < r.max_response_len:
         p.append(f"reward.overlong_cache_len={cfg.reward.overlong_cache_len} must be in "
@@ -99,15 +98,13 @@ def _correction_problems(a: AlgoConfig) -> list[str]:
     return p
 
 
-_TEMPLATES = ("auto", "dapo_math", "gsm8k", "raw")  # data/templates.py TEMPLATE_NAMES
-
-
 def _prompt_problems(cfg: Config) -> list[str]:
     """Prompt template, few-shot file, chat template and sample logging: names and files exist."""
     p: list[str] = []
     d, m = cfg.data, cfg.model
-    if d.prompt_template not in _TEMPLATES and not os.path.isfile(d.prompt_template):
-        p.append(f"data.prompt_template={d.prompt_template!r} must be one of {list(_TEMPLATES)} or a template file")
+    if d.prompt_template not in PROMPT_TEMPLATES and not os.path.isfile(d.prompt_template):
+        p.append(f"data.prompt_template={d.prompt_template!r} must be one of {list(PROMPT_TEMPLATES)} or a "
+                 "template file")
     if d.few_shot_path is not None and not os.path.isfile(d.few_shot_path):
         p.append(f"data.few_shot_path={d.few_shot_path!r}: no such file")
     if m.chat_template not in ("auto", "none") and not os.path.isfile(m.chat_template):

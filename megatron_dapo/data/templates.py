@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from megatron_dapo.config.schema import PROMPT_TEMPLATES
 from megatron_dapo.types import Prompt
 
 DAPO_MATH_TEMPLATE = (
@@ -37,7 +38,7 @@ DAPO_MATH_TEMPLATE = (
 """The instruction of every DAPO-Math-17K prompt, around the problem."""
 GSM8K_HASH_TEMPLATE = "{question} Let's think step by step and output the final answer after \"####\"."
 BUILTIN_TEMPLATES = {"dapo_math": DAPO_MATH_TEMPLATE, "gsm8k": GSM8K_HASH_TEMPLATE, "raw": "{question}"}
-TEMPLATE_NAMES = ("auto", *BUILTIN_TEMPLATES)
+TEMPLATE_NAMES = PROMPT_TEMPLATES
 _PREFIX, _SUFFIX = DAPO_MATH_TEMPLATE.split("{question}")
 
 Message = dict[str, str]

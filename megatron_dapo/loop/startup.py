@@ -40,12 +40,13 @@ class StartupReport:
     data: list[str] = field(default_factory=list)
     resumed_from: str | None = None
     actor_bytes_at_engine_start: int = 0
+    micro_batch_tokens: tuple[int, int] = (0, 0)
+    """The actor's token budgets (train, pi_old), resolved from the vocabulary when configured as 0."""
 
     def lines(self) -> list[str]:
         cfg, model = self.cfg, read_model_config(self.cfg.model.hf_dir) or {}
         arch = (model.get("architectures") or ["?"])[0]
         tp, pp = parallel.tp_size(), parallel.pp_size()
-        a = cfg.actor
         weights = f"model.load={cfg.model.load} (architecture and tokenizer from model.hf_dir={cfg.model.hf_dir})" \
             if cfg.model.load else f"model.hf_dir={cfg.model.hf_dir}"
         if self.resumed_from:
@@ -56,7 +57,7 @@ class StartupReport:
             f"model: {model.get('model_type', '?')} ({arch}), {_count(hf_parameter_count(cfg.model.hf_dir))}, "
             f"vocab {model.get('vocab_size', '?')}",
             f"layout: TP={tp} x PP={pp} x DP={parallel.dp_size()} (world {parallel.world_size()}); micro-batches "
-            f"{a.micro_batch_tokens} / {a.logprob_micro_batch_tokens} tokens (train / pi_old)",
+            f"{self.micro_batch_tokens[0]} / {self.micro_batch_tokens[1]} tokens (train / pi_old)",
             f"weights: {weights}",
             f"rollout engine: {self.engine}; started with the actor "
             + ("asleep" if not self.actor_bytes_at_engine_start

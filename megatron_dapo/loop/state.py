@@ -18,7 +18,7 @@ from megatron_dapo.algo.policy_losses import policy_loss_spec
 from megatron_dapo.cli import preflight_error
 from megatron_dapo.config import Config, ModelConfig, to_dict
 from megatron_dapo.config.model_checks import read_model_config
-from megatron_dapo.config.sizing import resolve_micro_batches
+from megatron_dapo.config.ranges import may_change_on_resume
 from megatron_dapo.data import PromptFormat, PromptIterator
 from megatron_dapo.data.render import default_system_prompt, use_chat_template
 from megatron_dapo.hf_files import HFCheckpointError
@@ -41,10 +41,7 @@ log = logging.getLogger(__name__)
 
 
 __all__ = ["RunState", "SetupError", "build_run", "config_changes", "load_train_prompts", "load_val_prompts"]
-# Settings a resumed run may change without being "a different run".
-_MAY_CHANGE = ("checkpoint.", "train.steps", "model.load", "logging.tensorboard_dir", "logging.run_name",
-               "logging.wandb.", "rollout.sglang.base_port", "rollout.sglang.startup_timeout_s",
-               "rollout.sglang.request_timeout_s")
+_DEFAULTS = Config()  # the tree whose fields say what a resumed run may change
 
 
 @dataclass
@@ -179,7 +176,7 @@ def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
         dotted, a, b = f"{prefix}{key}", saved.get(key), now.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             out += config_changes(a, b, dotted + ".")
-        elif a != b and not dotted.startswith(_MAY_CHANGE):
+        elif a != b and not may_change_on_resume(_DEFAULTS, dotted):
             out.append(f"{dotted}: {a!r} -> {b!r}")
     return out
 
@@ -204,8 +201,6 @@ def build_run(cfg: Config) -> RunState:
         tokenizer = check_model(hf_dir)
     except SetupError as e:
         raise preflight_error(e) from None
-    cfg.actor = resolve_micro_batches(cfg.actor, int(read_model_config(hf_dir)["vocab_size"]),
-                                      cfg.parallel.tensor_parallel, on_gpu=torch.cuda.is_available())
     report = StartupReport(cfg)
     report.chat_template = use_chat_template(tokenizer, cfg.model.chat_template)
     report.system_prompt, warn = system_prompt_note(cfg.data.system_prompt, default_system_prompt(tokenizer))
@@ -242,6 +237,7 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
                               max_response_len=cfg.rollout.max_response_len)
     except (UnsupportedModelError, HFCheckpointError) as e:
         raise SetupError(f"model.hf_dir={hf_dir}: {e}") from None
+    report.micro_batch_tokens = (actor.cfg.micro_batch_tokens, actor.cfg.logprob_micro_batch_tokens)
     if cfg.model.load:
         try:
             load_checkpoint(actor, cfg.model.load, load_optimizer=False, load_rng=False)
