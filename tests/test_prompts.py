@@ -14,7 +14,7 @@ from megatron_dapo.config import ConfigError, load_config, validate
 from megatron_dapo.data import DAPO_MATH_TEMPLATE, PromptFormat, load_prompts
 from megatron_dapo.data.arithmetic import make_arithmetic_prompts
 from megatron_dapo.data.render import default_system_prompt, render_prompt_ids, use_chat_template
-from megatron_dapo.data.templates import TEMPLATE_NAMES, question_of
+from megatron_dapo.data.templates import question_of
 from megatron_dapo.tiny.chat import QWEN_DEFAULT_SYSTEM, build_chat_tokenizer, save_chat_model
 from megatron_dapo.types import Prompt
 
