@@ -9,7 +9,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,15 +123,8 @@ class MetricsWriter:
         so the summary covers the whole run, not only the steps since the resume."""
         if not self.enabled:
             return
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-        for f in sorted(self.logdir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime):
-            ea = EventAccumulator(str(f), size_guidance={"scalars": 0})
-            ea.Reload()
-            for tag in set(PLOTTED) & set(ea.Tags()["scalars"]):
-                for e in ea.Scalars(tag):
-                    if e.step <= until_step:  # files in write order: a replayed step's last value wins
-                        self.history[tag][e.step] = e.value
+        for tag, points in read_scalars(self.logdir, PLOTTED).items():
+            self.history[tag].update({step: v for step, v in points.items() if step <= until_step})
 
     def summary_png(self, path: str | Path | None = None) -> Path | None:
         """A 2x3 grid of the dynamics the paper monitors (§4.3), next to the event files."""
@@ -161,6 +154,23 @@ class MetricsWriter:
             self._writer.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def read_scalars(logdir: str | Path, tags: Iterable[str] | None = None) -> dict[str, dict[int, float]]:
+    """tag -> step -> value from the TensorBoard event files in `logdir` (only `tags`, if given), read in the
+    order they were written: a step a resumed run wrote again has its last value. An event file being
+    written by a live run is read as far as it goes."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    wanted = None if tags is None else set(tags)
+    out: dict[str, dict[int, float]] = {}
+    for f in sorted(Path(logdir).glob("events.out.tfevents.*"), key=lambda p: (p.stat().st_mtime, p.name)):
+        ea = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        ea.Reload()
+        for tag in ea.Tags()["scalars"]:
+            if wanted is None or tag in wanted:
+                out.setdefault(tag, {}).update({e.step: e.value for e in ea.Scalars(tag)})
+    return out
 
 
 class PhaseTimer:

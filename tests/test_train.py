@@ -40,15 +40,9 @@ def base_dir(tmp_path_factory):
 
 def scalars(logdir: Path) -> dict[str, dict[int, float]]:
     """tag -> step -> value (the last one written wins, as after a resume)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from megatron_dapo.metrics import read_scalars
 
-    out: dict[str, dict[int, float]] = {}
-    for f in sorted(logdir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime):
-        ea = EventAccumulator(str(f))
-        ea.Reload()
-        for tag in ea.Tags()["scalars"]:
-            out.setdefault(tag, {}).update({e.step: e.value for e in ea.Scalars(tag)})
-    return out
+    return read_scalars(logdir)
 
 
 def train_cmd(base_dir, root, run, *extra):

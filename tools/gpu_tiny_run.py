@@ -22,25 +22,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def train_command(base: Path, out: Path, steps: int) -> list[str]:
-    return [sys.executable, "-m", "megatron_dapo.train", "--config", str(REPO / "examples/configs/tiny_cpu.yaml"),
-            f"model.hf_dir={base}", "model.dtype=bfloat16", "rollout.colocate=true", "actor.offload_when_idle=true",
+    config = REPO / "examples/configs/tiny_cpu.yaml"
+    return [sys.executable, "-m", "megatron_dapo.train", "--config", str(config), f"model.hf_dir={base}",
+            "model.dtype=bfloat16", "rollout.colocate=true", "actor.offload_when_idle=true",
             "rollout.weight_sync_probe=true", f"train.steps={steps}", "checkpoint.save_every=1",
             "checkpoint.export_hf=true", f"checkpoint.dir={out / 'ckpt'}", f"logging.tensorboard_dir={out / 'tb'}",
-            "logging.run_name=gpu_tiny", "train.prompt_batch_size=8", "train.mini_batch_size=4", "algo.group_size=4",
-            "algo.filter_metric=score",
-            f"eval.every_steps={steps}", "eval.max_prompts=32"]
-
-
-def scalars(logdir: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out: dict[str, dict[int, float]] = {}
-    for f in sorted(logdir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime):
-        ea = EventAccumulator(str(f))
-        ea.Reload()
-        for tag in ea.Tags()["scalars"]:
-            out.setdefault(tag, {}).update({e.step: e.value for e in ea.Scalars(tag)})
-    return out
+            "logging.run_name=gpu_tiny", "train.prompt_batch_size=8", "train.mini_batch_size=4",
+            "algo.group_size=4", "algo.filter_metric=score", f"eval.every_steps={steps}", "eval.max_prompts=32"]
 
 
 def summary(tb: dict[str, dict[int, float]], rc: int, wall: float, tail: str) -> dict:
@@ -60,13 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--base-seconds", type=float, default=20.0)
     args = p.parse_args(argv)
+    from megatron_dapo.metrics import read_scalars
     from megatron_dapo.tiny import ensure_tiny_base
 
     base = ensure_tiny_base(args.out / "tiny_base", seconds=args.base_seconds)
     t0 = time.perf_counter()
     r = subprocess.run(train_command(base, args.out, args.steps), capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    print(json.dumps(summary(scalars(args.out / "tb" / "gpu_tiny"), r.returncode, wall, r.stderr[-2000:])))
+    tb = read_scalars(args.out / "tb" / "gpu_tiny")
+    print(json.dumps(summary(tb, r.returncode, wall, r.stderr[-2000:])))
     return r.returncode
 
 

@@ -14,14 +14,9 @@ response length, kept-group fraction) and what explains them."""
 
 def read_curves(logdir: Path, tags: tuple[str, ...] = TAGS) -> dict[str, list[list[float]]]:
     """Every tag of `tags` present in the event files under `logdir` (a later event of a step wins)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from megatron_dapo.metrics import read_scalars
 
-    points: dict[str, dict[int, float]] = {}
-    for f in sorted(Path(logdir).glob("events.out.tfevents.*")):
-        ea = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        ea.Reload()
-        for tag in set(tags) & set(ea.Tags()["scalars"]):
-            points.setdefault(tag, {}).update({e.step: e.value for e in ea.Scalars(tag)})
+    points = read_scalars(logdir, tags)
     return {tag: [[step, value] for step, value in sorted(points[tag].items())] for tag in tags if tag in points}
 
 
