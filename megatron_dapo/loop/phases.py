@@ -94,7 +94,8 @@ class Phases:
         if leaving := tuple(c for c in resident if c not in phase.actor):
             self.actor.sleep(leaving)
             self._note(f"actor_slept {','.join(leaving)}")
-        parallel.barrier()
+        if self.colocate:  # the engine shares the devices: nobody retakes memory before all have released
+            parallel.barrier()
         if coming := tuple(c for c in phase.actor if c not in resident):
             self._note(f"actor_waking {','.join(coming)}")
             self.actor.wake(coming)
