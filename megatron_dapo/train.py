@@ -138,7 +138,7 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     out.update(scalars.update_scalars(update, parallel.dp_sum(scalars.token_sums(batch, entropy))))
     out.update(run.phases.ledger)
     tokens = int(batch.lengths.sum())
-    return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, tokens, sync.bytes)}
+    return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, tokens, sync.scalars())}
 
 
 def collect(run: RunState, step: int) -> StepRollout:

@@ -177,10 +177,18 @@ def test_yaml_scientific_notation_is_a_float(tmp_path):
      "must be > 1 for token_mis"),
     (["algo.rollout_correction=token_tis", "algo.old_logprob_source=rollout"],
      "every correction weight would be 1"),
+    (["rollout.engine=sglang", "rollout.sglang.weight_sync=distributed"],
+     r"weight_sync=distributed with rollout.colocate=true .*Duplicate GPU.*: use weight_sync=tensor"),
 ])
 def test_cross_field_validation(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
         load_config(None, overrides)
+
+
+def test_distributed_weight_sync_is_fine_for_servers_on_their_own_gpus():
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.weight_sync=distributed",
+                             "rollout.colocate=false"])
+    assert cfg.rollout.sglang.weight_sync == "distributed"
 
 
 def test_every_problem_is_listed_at_once():

@@ -261,6 +261,7 @@ class ScriptedServer:
     max_new_tokens; token i of a response is 100 + (its input length + i), logprob -(token / 1000)."""
 
     url = "http://scripted:1"
+    vocab_size = 1000  # every scripted token id lies below it
 
     def __init__(self, cut: int | None):
         self.cut, self.bodies = cut, []

@@ -93,8 +93,9 @@ def test_rollout_kv_cache_16x8(plan16):
     assert resident.rollout.actor.resident == worst.weights + worst.main_grads + worst.optimizer
     assert resident.phase("generate").actor == {"weights": worst.weights, "main_grads": worst.main_grads,
                                                 "optimizer": worst.optimizer}
-    sync = plan16.phase("sync")  # the actor's state next to the engine's weights, no KV cache yet
-    assert sync.actor == {"weights": worst.weights, "main_grads": worst.main_grads, "optimizer": worst.optimizer}
+    sync = plan16.phase("sync")  # the actor's weights next to the engine's, no KV cache yet
+    assert sync.actor == {"weights": worst.weights,
+                          "weight_sync_buckets": 2 * 2 * V * H}  # the embedding's bucket + its flat copy
     assert sync.engine == {"weights": sg.weights}
 
 
@@ -218,9 +219,81 @@ def test_plan_package_imports_form_layers():
         mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         deps[f.stem] = {m.rsplit(".", 1)[1] for m in mods if m.startswith("megatron_dapo.plan.")}
     assert deps["core"] == deps["memory"] == deps["models"] == set()
-    assert deps["report"] == {"core"} and deps["build"] == {"core", "memory"}
+    assert deps["report"] == {"core"} and deps["build"] == {"core", "memory", "refit"}
+    assert deps["refit"] == {"core", "memory"}
     done: set[str] = set()
     while len(done) < len(deps):  # peel modules whose imports are all peeled: fails on a cycle
         ready = {m for m, d in deps.items() if m not in done and d <= done}
         assert ready, f"import cycle among {set(deps) - done}"
         done |= ready
+
+
+# ------------------------------------------------------------------------------------------ refit
+
+
+def test_refit_at_32b_from_bytes_and_links(plan16):
+    """Node-local refit at TP=8, PP=1 (a replica per node): every GPU all-gathers 7/8 of the model over
+    NVLink, nothing crosses nodes; by hand from the nominal links and the assumed per-bucket overhead."""
+    r = plan16.refit
+    s = 2 * PARAMS_32B
+    assert r.model_bytes == s and r.bucket_bytes == 512 * 2**20 and r.buckets == -(-s // (512 * 2**20))
+    assert r.largest_bucket_bytes == 2 * V * H  # the embedding travels alone
+    assert (r.tp_link, r.pp_link, r.cross_node_bytes_per_node) == ("NVLink", "-", 0.0)
+    assert r.gather_s == pytest.approx(7 / 8 * s / 450e9)
+    assert r.copy_s == pytest.approx(2 * s / 3350e9) and r.overhead_s == pytest.approx(r.buckets * 0.010)
+    assert r.seconds == pytest.approx(r.gather_s + r.copy_s + r.overhead_s)
+
+
+def test_refit_of_a_replica_that_spans_nodes_crosses_them():
+    """PP=2 on 16 nodes: Megatron places the stages world/PP ranks apart, on different nodes, so each GPU
+    receives the other stage (half the model) over its InfiniBand NIC."""
+    r = plan_for(16, overrides=["parallel.pipeline_parallel=2", "train.mini_batch_size=64"]).refit
+    s = 2 * PARAMS_32B
+    assert (r.tp_link, r.pp_link) == ("NVLink", "IB")
+    assert r.pp_receive_bytes == s / 2 and r.cross_node_bytes_per_node == 8 * s / 2
+    assert r.gather_s == pytest.approx((7 / 8 * s / 2) / 450e9 + (s / 2) / 50e9)
+
+
+def test_refit_is_printed_next_to_the_published_figure(capsys):
+    assert plan_main(["--config", str(CFG_32B), "--nodes", "16", "--gpus-per-node", "8", "--ib-gbs", "25"]) \
+        == 0
+    out = capsys.readouterr().out
+    assert re.search(r"refit .*\n  bytes +65\.5 GB in 123 buckets", out)
+    assert "NeMo-RL (published): Qwen3-30B-A3B BF16, NCCL reshard refit 0.74-1.0 s" in out
+
+
+@pytest.mark.parametrize("transport, copies, held", [("tensor", 2, "a bucket and its flat copy"),
+                                                     ("disk", 1, "one bucket")])
+def test_a_bucket_the_sync_phase_cannot_hold_is_refused(transport, copies, held):
+    """The sync phase holds the largest bucket's gathered tensors (and, but for disk, its flat copy) beside
+    the actor's and the engine's weights (7.6 + 15.3 GiB of a 72 GiB budget, by hand): 32 GiB of buckets fit,
+    48 GiB do not, naming rollout.weight_sync_bucket_mb."""
+    sync = f"rollout.sglang.weight_sync={transport}"
+    ok = plan_for(16, overrides=[sync, f"rollout.weight_sync_bucket_mb={32768 // copies}"])
+    assert ok.fits and ok.phase("sync").actor["weight_sync_buckets"] == 32 * GIB
+    big = 49152 // copies
+    p = plan_for(16, overrides=[sync, f"rollout.weight_sync_bucket_mb={big}"])
+    assert not p.fits and any("sync phase needs" in m and f"{held} of rollout.weight_sync_bucket_mb={big}" in m
+                              for m in p.problems), p.problems
+
+
+def test_servers_on_their_own_gpus_must_hold_a_received_bucket():
+    base = ["rollout.colocate=false", "rollout.sglang.weight_sync=distributed"]
+    assert plan_for(16, overrides=base).fits
+    p = plan_for(16, overrides=[*base, "rollout.weight_sync_bucket_mb=32768"])  # > 0.4 x 80 - 4 GiB
+    assert any("does not fit beside the servers' static pool" in m for m in p.problems), p.problems
+
+
+def test_refit_of_a_moe_model_counts_the_experts_broadcast_from_their_owner():
+    """Qwen3-30B-A3B at EP=8 on one node: each GPU receives the 7/8 of the routed experts it does not hold,
+    from their expert-parallel owners, over NVLink; nothing crosses a node."""
+    from megatron_dapo.plan.memory import expert_params
+
+    over = ["model.hf_dir=/m/Qwen3-30B-A3B", "parallel.tensor_parallel=1", "parallel.sequence_parallel=false",
+            "parallel.expert_parallel=8", "rollout.sglang.tensor_parallel=1"]
+    p = plan_for(1, overrides=over, mem=141.0)
+    spec = P.resolve_model(load_config(CFG_32B, over))[0]
+    experts = 2 * spec.num_layers * expert_params(spec)
+    r = p.refit
+    assert (r.ep_link, r.tp_gather_bytes, r.cross_node_bytes_per_node) == ("NVLink", 0.0, 0.0)
+    assert r.ep_receive_bytes == 7 / 8 * experts and r.gather_s == pytest.approx(7 / 8 * experts / 450e9)

@@ -66,3 +66,61 @@ def test_colocated_cuda_ipc_updates_and_release_resume(models, cuda_hf, tmp_path
     finally:
         engine.shutdown()
     assert _gone(pid)
+
+
+def _per_rank_worker(rank, world, port, url_port, model_b, api_key, out):
+    """A trainer rank that sees only its own GPU (as under Slurm: CUDA_VISIBLE_DEVICES per task, so its
+    device ordinal is 0 either way): it serialises the payload of the server TP rank on its GPU."""
+    import os
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from megatron_dapo.rollout.sglang.updates import NodeLayout, NodeWeightSync
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    group = dist.new_group([0, 1], backend="gloo")
+    servers = []
+    if rank == 0:
+        servers = [SGLangEngine(Path(model_b), SGLangConfig(tensor_parallel=2), port=url_port, attach=True,
+                                device="cuda", api_key=api_key)]
+    weights = {n: t.cuda() for n, t in load_file(str(Path(model_b) / "model.safetensors")).items()}
+    layout = NodeLayout(node=0, ranks=(0, 1), servers=1, tp=2, colocated=True)
+    sync = NodeWeightSync(servers, layout, rank, transport="tensor", bucket_bytes=2**20, group=group)
+    counts = sync.update(weights.items())
+    result = {"error": repr(counts.error) if counts.error else None, "sent": counts.sent,
+              "buckets": counts.buckets}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@SGLANG_TIMEOUT
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_each_rank_serialises_its_server_ranks_payload_by_device_uuid(models, tmp_path):
+    """SGLang TP=2 on GPUs 0 and 1; two trainer ranks, each seeing only its own GPU (ordinal 0 in both), each
+    send the payload of the server rank on their GPU; the device travels as its UUID, so each server rank maps
+    its own GPU's memory (ordinals would both name the server's GPU 0)."""
+    import json
+
+    from spawn import run_ranks
+    from transformers import AutoModelForCausalLM
+
+    key = "k" * 32
+    engine = SGLangEngine(models["a"], SGLangConfig(tensor_parallel=2, mem_fraction_static=0.3,
+                                                    startup_timeout_s=900, request_timeout_s=300),
+                          python=default_python(), port=server_ports(), dtype="float32", device="cuda",
+                          colocate=True, log_dir=tmp_path / "logs", api_key=key,
+                          extra_args=["--attention-backend", "torch_native", "--disable-cuda-graph"])
+    hf_b = AutoModelForCausalLM.from_pretrained(models["b"], dtype=torch.float32).eval()
+    try:
+        run_ranks(_per_rank_worker, engine.port, str(models["b"]), key, str(tmp_path), timeout_s=600)
+        r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+        assert r0["error"] is None and r1["error"] is None and r0["sent"] == r1["sent"] > 0
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
+        assert _max_logprob_diff(hf_b, engine.generate(PROMPTS, 2, sampling)) < 1e-4
+    finally:
+        engine.shutdown()

@@ -106,27 +106,31 @@ def test_two_real_servers_split_prompts_and_both_take_weight_updates(sglang_pyth
 @pytest.mark.sglang
 @SGLANG_TIMEOUT
 def test_one_broadcast_updates_several_servers(sglang_python, models, hf, tmp_path):
-    """BroadcastServers: both servers join ONE group (world 1 + 1 + 1) and every bucket is broadcast once."""
+    """A node's servers with the distributed transport: both join ONE group (world 1 + 1 + 1) and every
+    bucket is broadcast once."""
     import torch
 
-    from megatron_dapo.rollout.sglang.fleet import BroadcastServers
+    from megatron_dapo.rollout.sglang.updates import NodeWeightSync
 
     port = server_ports(2)
     servers = [SGLangEngine(models["a"], SGLangConfig(base_port=port, startup_timeout_s=600, request_timeout_s=300),
                             python=sglang_python, server_index=k, dtype="float32", max_total_tokens=8192,
                             log_dir=tmp_path / "logs", bucket_mb=1, wait=False) for k in range(2)]
-    group = BroadcastServers(servers, trainer_host="127.0.0.1")
-    group.bucket_bytes = 64 * 1024  # several buckets for this 0.8 MB model
+    sync = NodeWeightSync.local(servers, transport="distributed", bucket_bytes=64 * 1024)  # several buckets
+    group = EngineGroup(servers)
     try:
         for s in servers:
             s.wait_ready()
-        group.update_weights(hf["b"].state_dict().items())
-        assert torch.distributed.get_world_size(group._group.pg) == 3 and group.last_update.buckets >= 2
+        counts = sync.update(hf["b"].state_dict().items())
+        assert counts.error is None and counts.buckets >= 2
+        assert torch.distributed.get_world_size(sync._broadcast.pg) == 3
+        assert counts.sent == counts.bytes  # each bucket sent once for both servers
         sampled = group.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=6))
         assert _max_logprob_diff(hf["b"], sampled[:3]) < 1e-4 and _max_logprob_diff(hf["b"], sampled[3:]) < 1e-4
-        group.update_weights(hf["a"].state_dict().items())  # the group is reused
+        assert sync.update(hf["a"].state_dict().items()).error is None  # the group is reused
         assert _max_logprob_diff(hf["a"], group.generate(PROMPTS, 1, SamplingParams(max_new_tokens=4))) < 1e-4
     finally:
+        sync.shutdown()
         group.shutdown()
 
 
@@ -152,11 +156,40 @@ def test_trainer_with_two_sglang_servers(sglang_python, tmp_path, python_env):
 
 @pytest.mark.sglang
 @SGLANG_TIMEOUT
+def test_torchrun_trainer_with_the_distributed_weight_transport(sglang_python, tmp_path, python_env):
+    """Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True, RANK / MASTER_PORT of the trainer set) the server
+    starts in a clean environment and answers /health, and the weight group serves its own store: both
+    steps sync over the broadcast group (servers on their own devices), and step 2's rollout logprobs equal
+    the actor's."""
+    import subprocess
+    import sys
+
+    from test_train import scalars
+
+    from megatron_dapo.parallel import free_port as free_master_port
+
+    cmd = _trainer_cmd(tmp_path, "torchrun", f"rollout.sglang.base_port={server_ports()}",
+                       "rollout.sglang.weight_sync=distributed", "rollout.colocate=false",
+                       "eval.every_steps=0")
+    assert cmd[1:3] == ["-m", "megatron_dapo.train"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+           str(free_master_port()), "-m", "megatron_dapo.train", *cmd[3:]]
+    env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+    assert r.returncode == 0, r.stderr[-6000:]
+    tb = scalars(tmp_path / "tb" / "torchrun")
+    assert set(tb["perf/weight_sync_bytes"]) == {1, 2} and min(tb["perf/weight_sync_bytes"].values()) > 0
+    assert tb["rollout/train_rollout_logprob_absdiff"][2] < 1e-4
+
+
+@pytest.mark.sglang
+@SGLANG_TIMEOUT
 def test_three_nodes_each_start_a_server_and_rank0_drives_all(sglang_python, tmp_path, python_env):
     """Three trainer ranks posing as three nodes (GROUP_RANK 0, 1, 2): each node's leader starts its own
-    server; rank 0 drives all three, its own with the tensor transport, nodes 1 and 2 attached and
-    updated by ONE gloo broadcast group. After each step's sync every server's logprobs equal the
-    actor's (the prompts are split across all three)."""
+    server and updates it from its own copy of the weights (node-local, tensor transport); rank 0 drives all
+    three for generation, nodes 1 and 2 attached. After each step's sync every server's logprobs equal the
+    actor's (the prompts are split across all three); no weight byte crossed a node, and rank 0 sent one
+    model (to its own server), not one per node."""
     import subprocess
 
     from test_train import scalars
@@ -181,10 +214,13 @@ def test_three_nodes_each_start_a_server_and_rank0_drives_all(sglang_python, tmp
             p.kill()
     assert all(p.returncode == 0 for p in procs), "\n=====\n".join(o[-5000:] for o in outs)
     line = next(x for x in outs[0].splitlines() if "SGLang servers:" in x)
-    assert "(tensor)" in line and line.count("(one shared broadcast, attached)") == 2, line
+    assert line.count("(attached)") == 2 and "from the node's own ranks (tensor)" in line, line
     tb = scalars(tmp_path / "tb" / "nodes3")
     assert set(tb["train/reward_mean"]) == {1, 2}
     assert max(tb["rollout/train_rollout_logprob_absdiff"].values()) < 1e-4
+    model = tb["perf/weight_sync_bytes"]
+    assert set(tb["perf/weight_sync_bytes_cross_node"].values()) == {0.0}
+    assert all(0 < tb["perf/weight_sync_bytes_sent_rank0"][s] <= model[s] for s in model)
 
 
 def _job_worker(rank, world, master_port, exe, root, base_port, block_node1):
@@ -211,6 +247,7 @@ def _job_worker(rank, world, master_port, exe, root, base_port, block_node1):
                                 log_dir=Path(root) / "logs", shutdown_grace_s=2)
         eng = job.engine
         out["owned"] = [e.url for e in job.owned]
+        out["weights"] = [job.weights.leader, [e.url for e in job.weights.servers], job.weights.transport]
         if eng is not None:
             parts = eng.engines if isinstance(eng, EngineGroup) else [eng]
             out["engine"] = [(e.url, e.cfg.weight_sync, e.attached, e.trainer_host) for e in parts]
@@ -240,5 +277,7 @@ def test_every_node_leader_starts_servers_and_rank0_attaches(fake_exe, tmp_path,
             assert "node 1 (127.0.0.1)" in r["error"] and "port is already in use" in r["error"]
         return
     local, remote = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"
-    assert r0["engine"] == [[local, "tensor", False, "127.0.0.1"], [remote, "distributed", True, "127.0.0.1"]]
+    assert [(url, attached) for url, _, attached, _ in r0["engine"]] == [(local, False), (remote, True)]
     assert r0["healthy"] and r0["owned"] == [] and r1["owned"] == [remote] and "engine" not in r1
+    # weights: each node's leader updates its own node's servers, rank 0 only its own
+    assert r0["weights"] == [True, [local], "tensor"] and r1["weights"] == [True, [remote], "tensor"]

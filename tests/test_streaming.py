@@ -261,7 +261,7 @@ def test_abort_from_another_thread_stops_next(model):
 
 
 def test_asleep_engine_refuses_to_step(model):
-    engine = EmbeddedEngine(model)
+    engine = EmbeddedEngine(model, weights_backup=True)  # (without the backup its weights come back lost)
     stream = engine.stream()
     stream.submit(requests()[:1])
     engine.sleep()

@@ -9,7 +9,7 @@ rank of a pipeline stage yields every HF tensor of the stage, in the same order.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -144,12 +144,22 @@ def _gather(local: torch.Tensor, size: int, group) -> list[torch.Tensor]:
     return out
 
 
-def hf_weight_stream(module: torch.nn.Module, spec: ModelSpec, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every HF tensor of the model, in order, on every rank of each pipeline (collective).
+def model_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype of the model's weights (what an export moves unless asked otherwise)."""
+    return next(module.parameters()).dtype
+
+
+def hf_weight_stream(module: torch.nn.Module, spec: ModelSpec, dtype: torch.dtype | None = None, *,
+                     received: Callable[[int, int], None] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every HF tensor of the model, in order, on every rank of each pipeline (collective), in `dtype`
+    (default: the model's own).
 
     This stage's tensors come from `export_hf_weights` (TP all-gather); other stages' tensors are
-    broadcast from their owner inside the pipeline group, one tensor at a time.
+    broadcast from their owner inside the pipeline group, one tensor at a time; `received(source global
+    rank, bytes)` is told of each.
     """
+    dtype = dtype or model_dtype(module)
     pp_size = parallel.pp_size() if dist.is_initialized() else 1
     if pp_size == 1:
         for name, t in export_hf_weights(module, spec, dtype):
@@ -166,14 +176,16 @@ def hf_weight_stream(module: torch.nn.Module, spec: ModelSpec, dtype: torch.dtyp
                 for name in rule.hf_names if rule.exported else ():
                     t = torch.empty(expected_hf_shape(name, spec), dtype=dtype, device=parallel.device())
                     dist.broadcast(t, ranks[stage], group=parallel.pp_group())
+                    if received is not None:
+                        received(ranks[stage], t.numel() * t.element_size())
                     yield name, t
 
 
 def save_hf_checkpoint(module: torch.nn.Module, spec: ModelSpec, out_dir: str | Path, src_hf_dir: str | Path | None,
-                       *, dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30) -> Path:
+                       *, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Collective: write the model as HF safetensors (sharded above max_shard_bytes, with an index)
-    on global rank 0, streaming one shard at a time; config.json and every auxiliary file (tokenizer, chat
-    template, generation config) come from src_hf_dir."""
+    on global rank 0, streaming one shard at a time, in `dtype` (default: the model's); config.json and every
+    auxiliary file (tokenizer, chat template, generation config) come from src_hf_dir."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)

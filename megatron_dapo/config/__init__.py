@@ -18,6 +18,7 @@ from megatron_dapo.config.schema import (
     AlgoConfig,
     CheckpointConfig,
     Config,
+    DEFAULT_BUCKET_MB,
     ConfigError,
     DataConfig,
     EvalConfig,
@@ -37,7 +38,8 @@ from megatron_dapo.config.schema import (
 from megatron_dapo.config.validation import data_parallel_size, validate
 
 __all__ = [
-    "ActorConfig", "AlgoConfig", "CheckpointConfig", "CliText", "Config", "ConfigError", "DataConfig", "EvalConfig",
+    "DEFAULT_BUCKET_MB", "ActorConfig", "AlgoConfig", "CheckpointConfig", "CliText", "Config", "ConfigError",
+    "DataConfig", "EvalConfig",
     "FilterMetric", "LoggingConfig", "LossAggMode", "ModelConfig", "OnExhausted", "OptimizerConfig",
     "ParallelConfig", "RewardConfig", "RolloutConfig", "SGLangConfig", "TrainConfig", "WandbConfig",
     "apply_delta", "build_parser", "data_parallel_size", "load_config", "main", "parse_override", "to_dict", "to_yaml",

@@ -117,6 +117,13 @@ class ActorConfig:
         return self.loss_impl
 
 
+DEFAULT_BUCKET_MB = {"tensor": 512, "distributed": 256, "disk": 1024}
+"""rollout.weight_sync_bucket_mb=0, per transport. tensor: slime's 512 MiB, one bucket copy on each
+trainer GPU in the sync phase, read in place by the server; distributed: NCCL reaches link speed with far
+smaller messages, and the servers allocate each bucket's receive buffer beside their resident KV cache;
+disk: host memory and files only."""
+
+
 @dataclass(kw_only=True)
 class SGLangConfig:
     mem_fraction_static: float = knob(0.6, "(0, 1)")
@@ -154,12 +161,18 @@ class RolloutConfig:
     """Sampling temperature for training rollouts (paper: 1.0)."""
     top_p: float = knob(1.0, "(0, 1]")
     """Nucleus sampling for training rollouts (paper: 1.0)."""
-    weight_sync_bucket_mb: int = knob(512, "[1, inf)")
-    """Size of one weight-sync bucket in MiB (actor -> rollout)."""
+    weight_sync_bucket_mb: int = knob(0, "[0, 65536]", "0 = per transport; at most 64 GiB")
+    """Size of one weight-sync bucket in MiB (actor -> rollout); 0 = per transport (DEFAULT_BUCKET_MB:
+    tensor 512, distributed 256, disk 1024). A tensor larger than a bucket travels alone. The planner adds
+    the bucket (or the largest tensor) to the sync phase and refuses it if the GPU cannot hold it."""
     weight_sync_probe: bool = True
     """After every weight sync the engine and the actor score one fixed 16-token sequence; a mean logprob
     difference above the dtype's tolerance (fp32 0.01, bf16 0.5) stops the run naming the step
     (rollout/weight_sync_probe_absdiff). One short forward on each side."""
+
+    def bucket_mb(self) -> int:
+        """The bucket size this config's weight transport uses, in MiB."""
+        return self.weight_sync_bucket_mb or DEFAULT_BUCKET_MB[self.sglang.weight_sync]
     streaming: bool = True
     """Streaming rollout (loop/stream.py): groups are scored as each finishes, the stream is kept topped
     up (algo.gen_batch_multiplier x missing / kept fraction in flight), and the step stops at N informative

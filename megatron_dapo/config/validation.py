@@ -42,6 +42,10 @@ def _problems(cfg: Config) -> list[str]:
     if cfg.reward.soft_overlong_punishment and not 0 < cfg.reward.overlong_cache_len < r.max_response_len:
         p.append(f"reward.overlong_cache_len={cfg.reward.overlong_cache_len} must be in "
                  f"(0, rollout.max_response_len={r.max_response_len})")
+    if r.engine == "sglang" and r.colocate and r.sglang.weight_sync == "distributed":
+        p.append("rollout.sglang.weight_sync=distributed with rollout.colocate=true puts trainer rank 0 and "
+                 "each server's TP rank 0 on one GPU in one NCCL communicator, which NCCL refuses (Duplicate "
+                 "GPU): use weight_sync=tensor (CUDA IPC) for colocated servers, or rollout.colocate=false")
     if r.partial_rollout and not r.streaming:
         p.append("rollout.partial_rollout needs rollout.streaming=true (it continues the groups a stream aborts)")
     if cfg.parallel.sequence_parallel and cfg.parallel.tensor_parallel == 1:

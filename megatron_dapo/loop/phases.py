@@ -22,6 +22,7 @@ from megatron_dapo.loop.phase_model import ENGINE_STATE, Phase, phase_model
 from megatron_dapo.loop.weight_probe import WeightProbe
 from megatron_dapo.loop.weight_sync import SyncStats, sync_weights
 from megatron_dapo.rollout.base import RolloutEngine
+from megatron_dapo.rollout.sglang.updates import NodeWeightSync
 
 
 @dataclass
@@ -42,6 +43,8 @@ class Phases:
     colocate: bool
     offload_when_idle: bool = True
     probe: WeightProbe | None = None
+    weights: NodeWeightSync | None = None
+    """This rank's part in updating the SGLang servers (every rank); None: the driver feeds `engine`."""
     ledger: dict[str, float] = field(default_factory=dict)
     transitions: deque = field(default_factory=lambda: deque(maxlen=64))
     """(time.monotonic(), event) of this rank's last moves: a release when it has returned (actor_slept
@@ -74,7 +77,7 @@ class Phases:
         sleeps, the KV cache returns), where the engine scores the probe."""
         self.step = step
         self._enter(self.model["sync"])
-        stats = sync_weights(self.actor.module, self.actor.spec, self.engine)
+        stats = sync_weights(self.actor.module, self.actor.spec, self.weights or self.engine)
         expected = self.probe.actor_logprobs(self.actor) if self.probe is not None else None
         self.engine_weights_lost = False
         self._enter(self.model["generate"])

@@ -53,11 +53,11 @@ def update_scalars(update: dict[str, float], sums: torch.Tensor) -> dict[str, fl
 
 
 def step_timings(phase_seconds: dict[str, float], step_seconds: float, tokens: int,
-                 weight_sync_bytes: int | None) -> dict[str, float]:
-    """timing/<phase>_s per phase, the step's wall time, trained tokens per second, weight-sync bytes."""
+                 weight_sync: dict[str, float] | None) -> dict[str, float]:
+    """timing/<phase>_s per phase, the step's wall time, trained tokens per second, and the weight sync's
+    byte counts (`SyncStats.scalars()`: perf/weight_sync_bytes, ..._sent_rank0, ..._cross_node)."""
     out = {f"timing/{k}_s": v for k, v in phase_seconds.items()}
-    if weight_sync_bytes is not None:
-        out["perf/weight_sync_bytes"] = float(weight_sync_bytes)
+    out.update(weight_sync or {})
     out["timing/step_s"] = step_seconds
     out["perf/tokens_per_s"] = tokens / step_seconds if step_seconds > 0 else 0.0
     return out

@@ -258,7 +258,8 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
         cfg=cfg, actor=actor, tokenizer=tokenizer, engine=engine,
         phases=Phases(actor, engine, cfg.rollout.colocate, cfg.actor.offload_when_idle,
                       probe=WeightProbe.for_actor(actor.spec.vocab_size, param_dtype(cfg.model))
-                      if cfg.rollout.weight_sync_probe else None),
+                      if cfg.rollout.weight_sync_probe else None,
+                      weights=servers.weights if servers is not None else None),
         prompts=_train_iterator(cfg, tokenizer, fmt, report) if driver else None,
         val_prompts=load_val_prompts(cfg, tokenizer, fmt, report) if driver else [],
         writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver,
@@ -280,7 +281,7 @@ def _start_sglang(cfg: Config, hf_dir: str):
     # the actor's dtype, not SGLang's "auto" (which serves a float32 checkpoint in float16)
     dtype = str(param_dtype(cfg.model)).removeprefix("torch.")
     return start_job_servers(hf_dir, cfg.rollout.sglang, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
-                             dtype=dtype)
+                             dtype=dtype, colocate=cfg.rollout.colocate)
 
 
 def _embedded_engine(actor: Actor, model_cfg: ModelConfig, report: StartupReport,

@@ -30,7 +30,8 @@ kernels: in fp32 they agree within ~1e-5 (SGLang against transformers), in bf16 
 
 
 class WeightSyncError(RuntimeError):
-    """The engine's weights differ from the actor's after a sync: the run stops before generating from them."""
+    """The engine's weights are not the actor's after a sync (a rank's part of the transfer failed, or the probe
+    found them different): the run stops before generating from them."""
 
 
 def probe_tokens(vocab_size: int) -> list[int]:

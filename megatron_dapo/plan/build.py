@@ -9,23 +9,27 @@ from typing import TYPE_CHECKING
 from megatron_dapo.config import Config, ConfigError, data_parallel_size, validate
 from megatron_dapo.config.sizing import resolve_micro_batches
 from megatron_dapo.loop.phase_model import phase_model
-from megatron_dapo.plan.core import (Hardware, IdleActor, Layout, ModelSummary, PhaseMemory, Plan, RolloutPhase,
-                                     SGLangPool, StageMemory, TokenBudget, TrainPhase, fmt_gib)
+from megatron_dapo.plan.core import (Hardware, IdleActor, Layout, Links, ModelSummary, PhaseMemory, Plan,
+                                     Refit, RolloutPhase, SGLangPool, StageMemory, TokenBudget, TrainPhase,
+                                     fmt_gib)
 from megatron_dapo.plan.memory import (activated_params, actor_bytes, kv_bytes_per_token, params_dtype,
                                        stage_activations, stage_expert_params, stage_params, total_params)
+from megatron_dapo.plan.refit import plan_refit
 
 if TYPE_CHECKING:
     from megatron_dapo.actor.model import ModelSpec
 
 
 def make_plan(cfg: Config, spec: ModelSpec, hw: Hardware, *, model_source: str = "", config_name: str = "",
-              rollout_concurrency: int | None = None) -> Plan:
+              rollout_concurrency: int | None = None, links: Links = Links()) -> Plan:
     layout = _layout(cfg, spec, hw)
     train = _train_phase(cfg, spec, hw, layout.dp)
     rollout = _rollout_phase(cfg, spec, hw, train.worst, rollout_concurrency)
-    phases = phase_memory(cfg, hw, train.worst, rollout)
+    refit = plan_refit(cfg, spec, hw, links) if rollout.sglang is not None else None
+    phases = phase_memory(cfg, hw, train.worst, rollout, refit)
     problems = [*_config_problems(cfg, spec, hw), *_train_problems(cfg, train.worst, hw),
-                *_rollout_problems(cfg, spec, hw, rollout), *_phase_problems(cfg, hw, phases)]
+                *_rollout_problems(cfg, spec, hw, rollout), *_phase_problems(cfg, hw, phases),
+                *_receive_problems(cfg, hw, refit)]
     warnings = [*_tp_warnings(cfg, hw), *_rollout_warnings(cfg)]
     moe = spec.moe
     model = ModelSummary(source=model_source, params=total_params(spec), activated_params=activated_params(spec),
@@ -37,18 +41,22 @@ def make_plan(cfg: Config, spec: ModelSpec, hw: Hardware, *, model_source: str =
     return Plan(config=config_name, hardware=hw, model=model, layout=layout, train=train, rollout=rollout,
                 tokens=_tokens(cfg, layout.dp, resolve_micro_batches(cfg.actor, spec.vocab_size, layout.tp,
                                                                      on_gpu=True).micro_batch_tokens),
-                phases=phases, problems=tuple(problems), warnings=tuple(warnings))
+                phases=phases, problems=tuple(problems), warnings=tuple(warnings), refit=refit)
 
 
-def phase_memory(cfg: Config, hw: Hardware, worst: StageMemory, rollout: RolloutPhase) -> tuple[PhaseMemory, ...]:
+def phase_memory(cfg: Config, hw: Hardware, worst: StageMemory, rollout: RolloutPhase,
+                 refit: Refit | None = None) -> tuple[PhaseMemory, ...]:
     """Every phase of the phase model (loop/phase_model.py, what the trainer follows) on one GPU of the
     worst stage: the components the model puts on the device, sized. The engine is sized for colocated
-    SGLang only (the embedded engine is the CPU test bed; a separate fleet is not on these GPUs)."""
+    SGLang only (the embedded engine is the CPU test bed; a separate fleet is not on these GPUs). The sync
+    phase also holds the weight sync's bucket buffers (`refit.sync_buffer_bytes`) while it streams."""
     model = phase_model(colocate=cfg.rollout.colocate, offload_when_idle=cfg.actor.offload_when_idle)
     actor = worst.components
     engine = rollout.sglang.components if rollout.sglang is not None and rollout.colocate else {}
+    buffers = {"weight_sync_buckets": refit.sync_buffer_bytes} if refit is not None else {}
     return tuple(PhaseMemory(name=p.name, reserve=hw.reserve_bytes,
-                             actor={c: actor[c] for c in p.actor + p.actor_transient},
+                             actor={c: actor[c] for c in p.actor + p.actor_transient} | (
+                                 buffers if p.name == "sync" else {}),
                              engine={c: engine[c] for c in p.engine if c in engine})
                  for p in model.values())
 
@@ -228,14 +236,33 @@ def _phase_problems(cfg: Config, hw: Hardware, phases: tuple[PhaseMemory, ...]) 
     """generate and sync over the budget (train has its own, more specific message)."""
     problems = []
     for p in phases:
-        if p.name == "train" or not p.engine or p.total <= hw.budget_bytes:
+        buckets = "weight_sync_buckets" in p.actor
+        if p.name == "train" or not (p.engine or buckets) or p.total <= hw.budget_bytes:
             continue
         parts = [f"{side} {name} {fmt_gib(v)}" for side, comp in (("actor", p.actor), ("engine", p.engine))
                  for name, v in comp.items()]
         hint = " (actor.offload_when_idle=false)" if p.name == "generate" and p.actor else ""
+        if buckets and p.total - p.actor["weight_sync_buckets"] <= hw.budget_bytes:  # the buckets tip it over
+            held = "one bucket" if cfg.rollout.sglang.weight_sync == "disk" else "a bucket and its flat copy"
+            hint = (f"; weight_sync_buckets: {held} of rollout.weight_sync_bucket_mb="
+                    f"{cfg.rollout.bucket_mb()} (at least the largest tensor): lower it")
         problems.append(f"{p.name} phase needs {fmt_gib(p.total)} GiB per GPU > {hw.limit_text} "
                         f"({' + '.join(parts)} + reserve {fmt_gib(p.reserve)}){hint}")
     return problems
+
+
+def _receive_problems(cfg: Config, hw: Hardware, refit: Refit | None) -> list[str]:
+    """distributed (servers on their own GPUs, KV cache resident): each bucket's receive buffer must fit
+    beside SGLang's static pool."""
+    sg = cfg.rollout.sglang
+    if refit is None or cfg.rollout.colocate or sg.weight_sync != "distributed":
+        return []
+    free = (1 - sg.mem_fraction_static) * hw.gpu_bytes - hw.reserve_bytes
+    if refit.bucket_bytes <= free:
+        return []
+    return [f"a weight-sync bucket of {fmt_gib(refit.bucket_bytes)} GiB does not fit beside the servers' "
+            f"static pool (1 - mem_fraction_static {sg.mem_fraction_static}) x {hw.gpu_mem_gib:g} GiB - "
+            f"reserve = {fmt_gib(free)} GiB: lower rollout.weight_sync_bucket_mb"]
 
 
 def _rollout_warnings(cfg: Config) -> list[str]:

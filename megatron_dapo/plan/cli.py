@@ -12,7 +12,7 @@ import sys
 
 from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.plan.build import make_plan
-from megatron_dapo.plan.core import Hardware
+from megatron_dapo.plan.core import Hardware, Links
 from megatron_dapo.plan.models import PlanInputError, resolve_model
 from megatron_dapo.plan.report import format_plan
 
@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-config", help="HF config.json (or its folder) to size the model from")
     p.add_argument("--rollout-concurrency", type=int, default=None,
                    help="check that this many worst-case sequences per SGLang engine fit the KV pool")
+    p.add_argument("--nvlink-gbs", type=float, default=Links.nvlink, help="NVLink GB/s per GPU and direction")
+    p.add_argument("--ib-gbs", type=float, default=Links.ib, help="InfiniBand GB/s per GPU (its NIC)")
+    p.add_argument("--hbm-gbs", type=float, default=Links.hbm, help="GPU memory bandwidth, GB/s")
+    p.add_argument("--bucket-overhead-ms", type=float, default=Links.bucket_overhead_s * 1e3,
+                   help="per weight-sync bucket: HTTP round trip and SGLang's TP barrier (assumed)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -46,9 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     if (args.nodes < 1 or args.gpus_per_node < 1 or args.gpu_mem_gb <= 0 or args.reserve_gb < 0
-            or not 0 < args.max_util <= 1):
+            or not 0 < args.max_util <= 1 or min(args.nvlink_gbs, args.ib_gbs, args.hbm_gbs) <= 0
+            or args.bucket_overhead_ms < 0):
         print("plan: --nodes and --gpus-per-node must be >= 1, --gpu-mem-gb > 0, --reserve-gb >= 0, "
-              "--max-util in (0, 1]", file=sys.stderr)
+              "--max-util in (0, 1], the bandwidths > 0, --bucket-overhead-ms >= 0", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         cfg = load_config(args.config, args.overrides)
@@ -58,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     hw = Hardware(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_mem_gib=args.gpu_mem_gb,
                   reserve_gib=args.reserve_gb, max_util=args.max_util)
+    links = Links(nvlink=args.nvlink_gbs, ib=args.ib_gbs, hbm=args.hbm_gbs,
+                  bucket_overhead_s=args.bucket_overhead_ms / 1e3)
     plan = make_plan(cfg, spec, hw, model_source=source, config_name=args.config,
-                     rollout_concurrency=args.rollout_concurrency)
+                     rollout_concurrency=args.rollout_concurrency, links=links)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     if not plan.fits:
         if args.json:

@@ -234,6 +234,51 @@ class TokenBudget:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Links:
+    """Bandwidths in GB/s (1e9 B/s): nominal H100/H200 figures unless given (--nvlink-gbs ...)."""
+
+    nvlink: float = 450.0
+    """NVLink 4 per GPU and direction."""
+    ib: float = 50.0
+    """One 400 Gb/s NDR NIC per GPU."""
+    hbm: float = 3350.0
+    """H100 SXM (H200: 4800)."""
+    bucket_overhead_s: float = 0.010
+    """Assumed per bucket (a node's servers load it at once): an HTTP round trip, SGLang's TP barrier."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refit:
+    model_bytes: float
+    bucket_bytes: float
+    """rollout.weight_sync_bucket_mb (resolved per transport)."""
+    largest_bucket_bytes: float
+    """The largest bucket: the configured size, or the largest tensor, which travels alone."""
+    buckets: int
+    tp_gather_bytes: float
+    ep_receive_bytes: float
+    """Routed experts broadcast from the expert-parallel rank that holds them."""
+    ep_link: str
+    pp_receive_bytes: float
+    tp_link: str
+    pp_link: str
+    cross_node_bytes_per_node: float
+    gather_s: float
+    copy_s: float
+    overhead_s: float
+    sync_buffer_bytes: float
+    """What the sync phase holds on a trainer GPU for the transfer."""
+
+    @property
+    def seconds(self) -> float:
+        return self.gather_s + self.copy_s + self.overhead_s
+
+
+PUBLISHED_REFIT = ("NeMo-RL (published): Qwen3-30B-A3B BF16, NCCL reshard refit 0.74-1.0 s "
+                   "(docs/design-docs/nccl-reshard-refit.md)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """Everything the planner found; `problems` non-empty = refused."""
 
@@ -246,6 +291,8 @@ class Plan:
     tokens: TokenBudget
     phases: tuple[PhaseMemory, ...] = ()
     """Each phase of the phase model on one GPU of the worst stage (engine sized for colocated SGLang)."""
+    refit: Refit | None = None
+    """The weight sync into SGLang servers (plan/refit.py); None for the embedded engine."""
     problems: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
 
@@ -263,4 +310,5 @@ class Plan:
         return {"config": self.config, "hardware": _record(hw, "world_size"), "model": asdict(self.model),
                 "layout": asdict(self.layout), "memory": memory,
                 "phases": {p.name: p.to_dict() for p in self.phases}, "tokens": asdict(self.tokens),
+                "refit": None if self.refit is None else _record(self.refit, "seconds"),
                 "problems": list(self.problems), "warnings": list(self.warnings), "fits": self.fits}

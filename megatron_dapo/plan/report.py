@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from megatron_dapo.plan.core import PhaseMemory, Plan, RolloutPhase, SGLangPool, fmt_gib as _g
+from megatron_dapo.plan.core import PUBLISHED_REFIT, PhaseMemory, Plan, RolloutPhase, SGLangPool
+from megatron_dapo.plan.core import fmt_gib as _g
 
 
 def _n(x: float) -> str:
@@ -10,6 +11,10 @@ def _n(x: float) -> str:
         if abs(x) >= div:
             return f"{x / div:.2f} {unit}"
     return f"{x:g}"
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f} GB"
 
 
 def format_plan(plan: Plan) -> str:
@@ -21,6 +26,7 @@ def format_plan(plan: Plan) -> str:
             lines += _train_lines(plan, phase)
         else:
             lines += _sync_lines(plan, phase)
+    lines += _refit_lines(plan)
     lines += _token_lines(plan)
     lines += [f"warning: {w}" for w in plan.warnings]
     lines.append("")
@@ -70,12 +76,35 @@ def _total(plan: Plan, phase: PhaseMemory) -> str:
 
 
 def _sync_lines(plan: Plan, phase: PhaseMemory) -> list[str]:
-    actor = sum(phase.actor.values())
+    buckets = phase.actor.get("weight_sync_buckets", 0.0)
+    actor = sum(phase.actor.values()) - buckets
+    parts = " + ".join(c.replace("_", " ") for c in phase.actor if c != "weight_sync_buckets")
     lines = ["", "per-GPU memory, sync phase (actor state + the engine's weights, not its KV cache), GiB",
-             f"  actor         {_g(actor):>8}   weights + main grads + optimizer"]
+             f"  actor         {_g(actor):>8}   {parts}"]
+    if plan.refit is not None:
+        lines.append(f"  sync buckets  {_g(buckets):>8}   the largest bucket's gathered tensors and flat "
+                     f"copy ({_g(plan.refit.largest_bucket_bytes)}: rollout.weight_sync_bucket_mb or the "
+                     f"largest tensor)")
     if "weights" in phase.engine:
         lines.append(f"  SGLang weights{_g(phase.engine['weights']):>8}   resumed without the KV cache")
     return lines + [f"  reserve       {_g(phase.reserve):>8}", _total(plan, phase)]
+
+
+def _refit_lines(plan: Plan) -> list[str]:
+    r = plan.refit
+    if r is None:
+        return []
+    return [
+        "",
+        "refit (weight sync into the SGLang servers, node-local, expected)",
+        f"  bytes         {_gb(r.model_bytes)} in {r.buckets} buckets of {_g(r.bucket_bytes)} GiB; per GPU: "
+        f"TP all-gather {_gb(r.tp_gather_bytes)} over {r.tp_link}, experts {_gb(r.ep_receive_bytes)} over "
+        f"{r.ep_link}, other stages {_gb(r.pp_receive_bytes)} over {r.pp_link}; "
+        f"{_gb(r.cross_node_bytes_per_node)} per node from other nodes",
+        f"  seconds       {r.seconds:.2f} s = gather {r.gather_s:.2f} + bucket copies {r.copy_s:.2f} + "
+        f"per-bucket overhead {r.overhead_s:.2f} (--nvlink-gbs, --ib-gbs, --hbm-gbs, --bucket-overhead-ms)",
+        f"  published     {PUBLISHED_REFIT}",
+    ]
 
 
 def _train_lines(plan: Plan, phase: PhaseMemory) -> list[str]:

@@ -36,7 +36,8 @@ def main() -> None:
     diff, max_diff = engine_vs_actor(actor, engine)
     if parallel.is_main():
         torch.save({"mean_abs_diff": diff, "max_abs_diff": max_diff, "stale_mean_abs_diff": stale[0],
-                    "tensors": stats.tensors, "bytes": stats.bytes}, out)
+                    "tensors": stats.tensors, "bytes": stats.bytes, "sent_rank0": stats.bytes_sent_rank0,
+                    "cross_node": stats.bytes_cross_node}, out)
     parallel.destroy()
 
 

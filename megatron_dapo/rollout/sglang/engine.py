@@ -10,15 +10,17 @@ Without CUDA the server is SGLang's CPU engine (`SGLANG_USE_CPU_ENGINE=1 --devic
 `megatron_dapo/rollout/sglang/cpu_shims/` are active there. With CUDA the normal flags apply, plus
 `--enable-memory-saver` when colocated so that sleep()/wake() really free and retake GPU memory.
 
-Weight transports (`SGLangConfig.weight_sync`; the moving parts are in transport.py). All three were
-verified against the real SGLang 0.5.23 server on CPU from a torch 2.13 trainer process without
-sglang; logprobs after a sync equal the source model's within 1e-4 (tests/test_rollout_sglang.py):
-- "tensor" (colocated): each bucket is copied once into a flat shared buffer and the list of
-  (name, view) pairs is pickled with torch's ForkingPickler -- what sglang's MultiprocessingSerializer
-  does -- then POSTed to /update_weights_from_tensor (base64). CPU tensors travel as shared-memory
-  file names (file_system sharing strategy, set only around the pickling), so one bucket is one
-  /dev/shm segment; CUDA tensors travel as CUDA IPC handles (untested here: needs a GPU). SGLang's
-  unpickler allows exactly these torch rebuild functions.
+Weight transports (`SGLangConfig.weight_sync`; the steps of an update in updates.py, the moving parts
+in transport.py). All three were verified against the real SGLang 0.5.23 server on CPU from a torch 2.13
+trainer process without sglang; logprobs after a sync equal the source model's within 1e-4
+(tests/test_rollout_sglang.py):
+- "tensor" (colocated): each bucket is copied once into a flat buffer and pickled once per server TP
+  rank for load_format "flattened_bucket" (the flat tensor + SimpleNamespace metadata SGLang's
+  restricted unpickler admits) with torch's ForkingPickler -- what sglang's MultiprocessingSerializer
+  does -- then POSTed to /update_weights_from_tensor (base64). CPU tensors travel as shared-memory file
+  names (file_system sharing strategy, set only around the pickling); CUDA tensors as CUDA IPC handles
+  naming their device by UUID (runs only in the gpu tier). In a job, each colocated trainer rank
+  serialises the payload of the server rank on its own GPU (updates.NodeWeightSync).
 - "distributed" (disaggregated): a dedicated process group (rank 0 = this process, ranks 1.. = the
   server's TP workers; gloo on CPU, NCCL on GPU) made with /init_weights_update_group; each bucket is
   one broadcast of a flat uint8 tensor (load_format "flattened_bucket"), announced by
@@ -38,19 +40,15 @@ from __future__ import annotations
 
 import itertools
 import math
-import shutil
-import tempfile
 import threading
-import time
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import suppress
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from megatron_dapo.config import SGLangConfig
+from megatron_dapo.config import DEFAULT_BUCKET_MB, SGLangConfig
 from megatron_dapo.config.model_checks import read_model_config
 from megatron_dapo.hf_files import checkpoint_shapes
 from megatron_dapo.rollout.base import (
@@ -64,14 +62,9 @@ from megatron_dapo.rollout.base import (
 )
 from megatron_dapo.rollout.sglang.server import SGLangServer, SGLangServerError
 from megatron_dapo.rollout.sglang.stream import SGLangStream
-from megatron_dapo.rollout.sglang.transport import WeightBroadcastGroup, serialized_bucket
-from megatron_dapo.rollout.sglang.wire import (
-    cut_at_stop,
-    generate_body,
-    iter_buckets,
-    parse_generate_response,
-    tensor_nbytes,
-)
+from megatron_dapo.rollout.sglang.transport import WeightBroadcastGroup
+from megatron_dapo.rollout.sglang.updates import NodeSyncCounts, NodeWeightSync
+from megatron_dapo.rollout.sglang.wire import cut_at_stop, generate_body, parse_generate_response
 from megatron_dapo.types import Sample
 
 
@@ -82,11 +75,6 @@ class WeightUpdateStats:
     tensors: int = 0
     buckets: int = 0
     transport: str = ""
-
-    def add(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
-        self.buckets += 1
-        self.tensors += len(bucket)
-        self.bytes += sum(tensor_nbytes(t) for _, t in bucket)
 
 
 # ------------------------------------------------------------------------------------------ engine
@@ -127,11 +115,12 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         model_path: str | Path,
         cfg: SGLangConfig | None = None,
         *,
-        bucket_mb: int = 512,
+        bucket_mb: int = 0,
         trainer_host: str | None = None,
         **server: Any,
     ) -> None:
-        self.bucket_bytes = int(bucket_mb * 2**20)
+        cfg = cfg or SGLangConfig()
+        self.bucket_bytes = int((bucket_mb or DEFAULT_BUCKET_MB[cfg.weight_sync]) * 2**20)
         self._shapes = checkpoint_shapes(str(model_path))
         vocab = (read_model_config(str(model_path)) or {}).get("vocab_size")
         self.vocab_size = vocab if isinstance(vocab, int) else None  # sampled ids beyond it: NaN logits
@@ -139,16 +128,21 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         self._tags_ok = True  # the server takes memory tags (SGLang >= 0.4.6); else whole release only
         self._memory_sizes: dict[str, int] | None = None
         self._abort = threading.Event()
+        self._updaters: dict[str, NodeWeightSync] = {}
         self._versions = itertools.count(1)
+        self.weight_groups: list[WeightBroadcastGroup] = []
+        """The broadcast groups this server is in (left at shutdown)."""
         self.last_update = WeightUpdateStats()
         self.trainer_host = trainer_host or server.get("host", "127.0.0.1")
         super().__init__(model_path, cfg, **server)
         self._weight_group = WeightBroadcastGroup([self], self.trainer_host)
+        self.weight_groups.append(self._weight_group)
 
     def shutdown(self) -> None:
         if self._closed:
             return
-        self._weight_group.destroy()
+        for group in self.weight_groups:
+            group.destroy()
         super().shutdown()
 
     # -------------------------------------------------------------------------------- generate
@@ -258,92 +252,67 @@ class SGLangEngine(SGLangServer, RolloutEngine):
 
     # ------------------------------------------------------------------------- weight updates
 
-    def checked_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in named_tensors:
-            if self._shapes is not None:
-                if name not in self._shapes:
-                    raise KeyError(f"unknown weight {name!r}: not in the checkpoint at {self.model_path}")
-                if tuple(t.shape) != self._shapes[name]:
-                    raise ValueError(
-                        f"weight {name!r} has shape {tuple(t.shape)}, the server's model has "
-                        f"{self._shapes[name]}"
-                    )
-            yield name, t
+    def weight_problem(self, name: str, t: torch.Tensor) -> Exception | None:
+        """Why the server's checkpoint has no tensor `name` of t's shape (None: it has)."""
+        if self._shapes is None:
+            return None
+        if name not in self._shapes:
+            return KeyError(f"unknown weight {name!r}: not in the checkpoint at {self.model_path}")
+        if tuple(t.shape) != self._shapes[name]:
+            return ValueError(f"weight {name!r} has shape {tuple(t.shape)}, the server's model has "
+                              f"{self._shapes[name]}")
+        return None
 
     def update_weights(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         transport: Literal["tensor", "distributed", "disk"] | None = None,
     ) -> None:
-        """Stream HF-named tensors into the server in buckets of `bucket_mb`, then flush its cache.
-
-        `transport` overrides cfg.weight_sync for this call. Sets `last_update` (time, bytes, buckets).
-        """
+        """Stream HF-named tensors into the server in buckets of `bucket_mb`, then flush its cache
+        (updates.py). `transport` overrides cfg.weight_sync for this call. Sets `last_update`."""
         transport = transport or self.cfg.weight_sync
-        if transport not in ("tensor", "distributed", "disk"):
-            raise ValueError(f"unknown weight transport {transport!r} (tensor, distributed, disk)")
+        sync = self._updaters.get(transport)
+        if sync is None:
+            sync = NodeWeightSync.local([self], transport=transport, bucket_bytes=self.bucket_bytes,
+                                        trainer_host=self.trainer_host, broadcast=self._weight_group,
+                                        versions=self._versions)
+            self._updaters[transport] = sync
+        sync.bucket_bytes = self.bucket_bytes
+        counts = sync.update(named_tensors)
+        if counts.error is not None:
+            raise counts.error
+
+    # the steps of one update (updates.NodeWeightSync drives them, for one server or a node's)
+
+    def begin_update(self, transport: str) -> None:
         if self.weights_released:  # (on CPU too: the shims lose released memory as CUDA does)
             raise EngineStateError(f"SGLang engine {self.url}: its weights are released: wake() them before "
                                    "update_weights()")
-        version = str(next(self._versions))
-        stats = WeightUpdateStats(transport=transport)
-        start = time.perf_counter()
-        buckets = iter_buckets(self.checked_weights(named_tensors), self.bucket_bytes)
-        if transport == "disk":
-            self._send_disk(buckets, version, stats)
-        else:
-            send = self._send_tensor if transport == "tensor" else self._weight_group.send
-            if transport == "distributed":
-                self._weight_group.ensure()
+        if transport != "disk":  # SGLang 0.5.x refuses tensor and distributed updates outside a session
             self.post("/begin_weight_update", {})
-            try:
-                for bucket in buckets:
-                    send(bucket, version)
-                    stats.add(bucket)
-            except BaseException:
-                if self.dead_reason() is None:  # close the session, but report the first error
-                    with suppress(Exception):
-                        self.post("/end_weight_update", {}, timeout=60)
-                raise
-            self.post("/end_weight_update", {}, timeout=600)
-        self.call("POST", "/flush_cache", None, timeout=600)
-        stats.seconds = time.perf_counter() - start
-        self.last_update = stats
 
-    def _send_tensor(self, bucket: list[tuple[str, torch.Tensor]], version: str) -> None:
-        payload, views = serialized_bucket(bucket)
-        tp = self.cfg.tensor_parallel
-        self.post(
-            "/update_weights_from_tensor",
-            {"serialized_named_tensors": [payload] * tp, "flush_cache": False, "weight_version": version},
-        )
-        del views  # the server has copied them into its parameters
+    def end_update(self, transport: str, *, failed: bool = False) -> None:
+        if failed and self.dead_reason() is not None:
+            return
+        if transport != "disk":
+            self.post("/end_weight_update", {}, timeout=60 if failed else 600)
+        if not failed:
+            self.call("POST", "/flush_cache", None, timeout=600)
 
-    def _send_disk(
-        self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: str, stats: WeightUpdateStats
-    ) -> None:
-        from safetensors.torch import save_file
+    def post_flat_bucket(self, payloads: Sequence[str], version: str) -> None:
+        """One bucket, one pickled flat payload per TP rank (load_format "flattened_bucket")."""
+        self.post("/update_weights_from_tensor", {"serialized_named_tensors": list(payloads),
+                                                  "load_format": "flattened_bucket", "flush_cache": False,
+                                                  "weight_version": version})
 
-        folder = Path(tempfile.mkdtemp(prefix="weights-", dir=self.log_path.parent))
-        try:
-            for name in ("config.json", "generation_config.json"):
-                if (Path(self.model_path) / name).exists():
-                    shutil.copy(Path(self.model_path) / name, folder / name)
-            for i, bucket in enumerate(buckets):
-                save_file(
-                    {n: t.detach().to("cpu").contiguous().clone() for n, t in bucket},
-                    str(folder / f"bucket-{i:05d}.safetensors"),
-                )
-                stats.add(bucket)
-            if stats.tensors:
-                self.post(
-                    "/update_weights_from_disk",
-                    {"model_path": str(folder), "flush_cache": False, "weight_version": version},
-                )
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+    def load_from_disk(self, folder: Path, version: str) -> None:
+        self.post("/update_weights_from_disk", {"model_path": str(folder), "flush_cache": False,
+                                                "weight_version": version})
+
+    def record_update(self, transport: str, counts: NodeSyncCounts) -> None:
+        self.last_update = WeightUpdateStats(seconds=counts.seconds, bytes=counts.bytes,
+                                             tensors=counts.tensors, buckets=counts.buckets,
+                                             transport=transport)
 
     def weight_version(self) -> str | None:
         """The server's current weight version string (bumped by every update_weights)."""

@@ -1,24 +1,19 @@
 """The SGLang servers of a job: start the configured ones (one `SGLangEngine`, or several behind an
 `EngineGroup`); in a multi-node job, servers on every node (`start_job_servers`), the other nodes'
-attached to rank 0 and updated by one shared broadcast (`BroadcastServers`).
+attached to rank 0 for generation, sleep/wake, abort and health.
 
-BroadcastServers: with one process group per server, rank 0 would send the whole model once per remote
-server and step. Here all servers join one group (rank 0 = this process, then each server's TP ranks
-at its `rank_offset`), every bucket is announced to all of them (/update_weights_from_distributed) and
-broadcast once: NCCL pipelines a broadcast, so rank 0 sends about one model per step whatever the
-number of servers. Generation, sleep/wake, abort and health go to the servers as an `EngineGroup`.
+Weights never go through rank 0: every node's servers take them from the node's own ranks
+(`NodeWeightSync`, updates.py), so a node that holds a whole actor replica receives no weight byte from
+another node, and rank 0 sends about one model per step (to its own node's servers) whatever the number
+of nodes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-import os
 import secrets
 import socket
-import time
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
@@ -27,13 +22,13 @@ from typing import Any
 
 import torch
 
-from megatron_dapo.config import SGLangConfig
-from megatron_dapo.rollout.base import EngineStateError, RolloutEngine
+from megatron_dapo.config import DEFAULT_BUCKET_MB, SGLangConfig
+from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.rollout.engine_group import EngineGroup
-from megatron_dapo.rollout.sglang.engine import SGLangEngine, WeightUpdateStats
+from megatron_dapo.rollout.sglang.engine import SGLangEngine
+from megatron_dapo.rollout.sglang.environment import check_node_addresses, node_address
 from megatron_dapo.rollout.sglang.server import SGLangServerError
-from megatron_dapo.rollout.sglang.transport import WeightBroadcastGroup
-from megatron_dapo.rollout.sglang.wire import iter_buckets
+from megatron_dapo.rollout.sglang.updates import NodeLayout, NodeWeightSync, payload_plan
 
 log = logging.getLogger(__name__)
 
@@ -77,51 +72,65 @@ def launch_servers(model_path: str | Path, cfg: SGLangConfig, **engine_kwargs: A
 
 @dataclass
 class JobServers:
-    """What `start_job_servers` leaves with a rank: the driver's engine (global rank 0 only) and the
-    servers this rank started (a node leader's), which it must shut down at the end."""
+    """What `start_job_servers` leaves with a rank: the driver's engine (global rank 0 only), the servers
+    this rank started (a node leader's), which it must shut down at the end, and its part in updating its
+    node's servers (`weights`: every rank)."""
 
     engine: RolloutEngine | None
     owned: list[SGLangEngine]
+    weights: NodeWeightSync | None = None
 
     def shutdown(self) -> None:
+        if self.weights is not None:
+            self.weights.shutdown()
         if self.engine is not None:
             self.engine.shutdown()
         for server in self.owned:
             server.shutdown()
 
 
-def node_address() -> str:
-    """The address other nodes reach this one at: $DAPO_NODE_ADDR, else the host name's address."""
-    return os.environ.get("DAPO_NODE_ADDR") or socket.gethostbyname(socket.gethostname())
+def bucket_bytes(cfg: SGLangConfig, bucket_mb: int) -> int:
+    return int((bucket_mb or DEFAULT_BUCKET_MB[cfg.weight_sync]) * 2**20)
 
 
 def start_job_servers(model_path: str | Path, cfg: SGLangConfig, **engine_kwargs: Any) -> JobServers:
     """Called by every rank of the job (a collective). The lowest rank of each node starts cfg.num_servers
     servers there (bound to 127.0.0.1 in a one-node job, else to `node_address()`; node n's server k on
-    port base_port + n * num_servers + k). Global rank 0 gets one engine over all of them: its own node's
-    with cfg.weight_sync, the other nodes' attached, with weight updates broadcast over the network
-    ("distributed", one shared group for all of them: BroadcastServers; "disk" stays disk). A server
-    that fails to start fails every rank, naming it. The servers take one API key per job (rank 0's,
-    `--api-key`), sent with every request: nothing else on the network can drive them."""
+    port base_port + n * num_servers + k); every node's servers take their weights from that node's own
+    ranks (`NodeWeightSync`, cfg.weight_sync: no weight byte crosses nodes). Global rank 0 gets one engine
+    over all servers of the job for generation (the other nodes' attached). A server that fails to start
+    fails every rank, naming it. The servers take one API key per job (rank 0's, `--api-key`), sent with
+    every request: nothing else on the network can drive them."""
     import torch.distributed as dist
 
     from megatron_dapo import parallel
 
     env = parallel.launch_env()
     engine_kwargs.setdefault("api_key", secrets.token_urlsafe(32))  # this job's; every request carries it
+    sync_bytes = bucket_bytes(cfg, engine_kwargs.get("bucket_mb", 0))
+    colocated = bool(engine_kwargs.get("colocate", True))
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return JobServers(launch_servers(model_path, cfg, **engine_kwargs), [])
+        engine = launch_servers(model_path, cfg, **engine_kwargs)
+        servers = list(engine.engines) if isinstance(engine, EngineGroup) else [engine]
+        layout = NodeLayout(node=0, ranks=(0,), servers=len(servers), tp=cfg.tensor_parallel,
+                            colocated=colocated)
+        sync = NodeWeightSync(servers, layout, 0, transport=cfg.weight_sync, bucket_bytes=sync_bytes)
+        return JobServers(engine, [], sync)
     rank, world = dist.get_rank(), dist.get_world_size()
     nodes: list[Any] = [None] * world
-    dist.all_gather_object(nodes, (env.node_rank, node_address(), engine_kwargs["api_key"]))
-    engine_kwargs["api_key"] = nodes[0][2]  # rank 0's key for every server of the job
-    multi_node = len({n for n, _, _ in nodes}) > 1
-    leader = rank == min(r for r, (n, _, _) in enumerate(nodes) if n == env.node_rank)
-    host = nodes[rank][1] if multi_node else "127.0.0.1"
+    dist.all_gather_object(nodes, (env.node_rank, env.local_rank, node_address(env.master_addr),
+                                   socket.gethostname(), engine_kwargs["api_key"]))
+    engine_kwargs["api_key"] = nodes[0][4]  # rank 0's key for every server of the job
+    multi_node = len({n[0] for n in nodes}) > 1
+    if multi_node:
+        check_node_addresses([(n, addr, hostname) for n, _, addr, hostname, _ in nodes])
+    mates = sorted((r for r in range(world) if nodes[r][0] == env.node_rank), key=lambda r: nodes[r][1])
+    leader = rank == mates[0]
+    host = nodes[rank][2] if multi_node else "127.0.0.1"
+    count = servers_per_node(cfg)
     owned: list[SGLangEngine] = []
     report: Any = None
     if leader:
-        count = servers_per_node(cfg)
         node_cfg = dataclasses.replace(cfg, num_servers=count, base_port=cfg.base_port + env.node_rank * count)
         try:
             group = launch_servers(model_path, node_cfg, host=host, **engine_kwargs)
@@ -136,79 +145,40 @@ def start_job_servers(model_path: str | Path, cfg: SGLangConfig, **engine_kwargs
         for server in owned:
             server.shutdown()
         raise SGLangServerError("SGLang servers failed to start:\n" + "\n".join(failures))
+    sync = _node_weight_sync(owned, nodes, rank, cfg, count, colocated, sync_bytes, host)
     if rank != 0:
-        return JobServers(None, owned)
-    remote_cfg = cfg if cfg.weight_sync == "disk" else dataclasses.replace(cfg, weight_sync="distributed")
+        return JobServers(None, owned, sync)
     remote: list[SGLangEngine] = []
     for r, urls in enumerate(reports):
         if urls is None or r == 0:
             continue
         for url in urls:
             remote_host, port = url.removeprefix("http://").rsplit(":", 1)
-            remote.append(SGLangEngine(model_path, remote_cfg, host=remote_host, port=int(port), attach=True,
+            remote.append(SGLangEngine(model_path, cfg, host=remote_host, port=int(port), attach=True,
                                        trainer_host=host, **engine_kwargs))
-    shared = len(remote) > 1 and remote_cfg.weight_sync == "distributed"
-    log.info("SGLang servers: %s", ", ".join(
-        [f"{e.url} ({e.cfg.weight_sync})" for e in owned]
-        + [f"{e.url} ({'one shared broadcast' if shared else e.cfg.weight_sync}, attached)" for e in remote]))
-    return JobServers(as_rollout_engine(owned, remote, host, shared_broadcast=shared), [])
+    log.info("SGLang servers: %s; each node's servers take their weights from the node's own ranks (%s)",
+             ", ".join([e.url for e in owned] + [f"{e.url} (attached)" for e in remote]), cfg.weight_sync)
+    engine = owned[0] if len(owned) == 1 and not remote else EngineGroup([*owned, *remote])
+    return JobServers(engine, [], sync)
 
 
-# ---------------------------------------------------------------- remote servers, one broadcast
+def _node_weight_sync(owned: list[SGLangEngine], nodes: list[Any], rank: int, cfg: SGLangConfig, count: int,
+                      colocated: bool, sync_bytes: int, host: str) -> NodeWeightSync:
+    """Every rank's part in its node's weight updates; the gloo groups of the nodes (made by every rank, in
+    node order) where the plan has ranks other than the leader serialise payloads."""
+    import torch.distributed as dist
 
-
-class BroadcastServers(EngineGroup):
-    """`servers` (attached or not) whose weight updates share one broadcast group led by this process
-    at `trainer_host` (an address every server can reach)."""
-
-    def __init__(self, servers: list[SGLangEngine], trainer_host: str) -> None:
-        super().__init__(servers)
-        self.servers = servers
-        self.url = " + ".join(s.url for s in servers)
-        self._group = WeightBroadcastGroup(servers, trainer_host)
-        self._versions = itertools.count(1)
-        self.last_update = WeightUpdateStats(transport="broadcast")
-        self.bucket_bytes = servers[0].bucket_bytes
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Stream HF-named tensors to every server: one broadcast per bucket, then flush their caches."""
-        if any(s.weights_released for s in self.servers):
-            raise EngineStateError(f"SGLang servers {self.url}: wake() them before update_weights()")
-        checked = self.servers[0].checked_weights(named_tensors)  # same checkpoint: same names and shapes
-        version = str(next(self._versions))
-        stats = WeightUpdateStats(transport="broadcast")
-        start = time.perf_counter()
-        self._group.ensure()
-        self._all(lambda s: s.post("/begin_weight_update", {}), "begin_weight_update")
-        try:
-            for bucket in iter_buckets(checked, self.bucket_bytes):
-                self._group.send(bucket, version)
-                stats.add(bucket)
-        except BaseException:
-            for s in self.servers:  # close the sessions, but report the first error
-                with suppress(Exception):
-                    s.post("/end_weight_update", {}, timeout=60)
-            raise
-        self._all(lambda s: s.post("/end_weight_update", {}, timeout=600), "end_weight_update")
-        self._all(lambda s: s.call("POST", "/flush_cache", None, timeout=600), "flush_cache")
-        stats.seconds = time.perf_counter() - start
-        self.last_update = stats
-
-    def shutdown(self) -> None:
-        self._group.destroy()
-        super().shutdown()
-
-
-def as_rollout_engine(local: list[SGLangEngine], remote: list[SGLangEngine], trainer_host: str, *,
-                      shared_broadcast: bool = True) -> RolloutEngine:
-    """One engine over this node's servers and the attached `remote` ones (which share one broadcast
-    group when there are several and `shared_broadcast`); prompts are split in proportion to the
-    number of servers."""
-    parts: list[RolloutEngine] = list(local)
-    if len(remote) > 1 and shared_broadcast:
-        parts.append(BroadcastServers(remote, trainer_host))
-    else:
-        parts.extend(remote)
-    if len(parts) == 1:
-        return parts[0]
-    return EngineGroup(parts, weights=[len(p) if isinstance(p, EngineGroup) else 1 for p in parts])
+    by_node: dict[int, list[int]] = {}
+    for r in sorted(range(len(nodes)), key=lambda r: (nodes[r][0], nodes[r][1])):
+        by_node.setdefault(nodes[r][0], []).append(r)
+    layouts = {n: NodeLayout(node=n, ranks=tuple(rs), servers=count, tp=cfg.tensor_parallel,
+                             colocated=colocated) for n, rs in by_node.items()}
+    group = None
+    others = any(s.rank != lay.leader for lay in layouts.values() for s in payload_plan(lay))
+    if cfg.weight_sync == "tensor" and others:
+        for n in sorted(layouts):
+            g = dist.new_group(list(layouts[n].ranks), backend="gloo")
+            if rank in layouts[n].ranks:
+                group = g
+    return NodeWeightSync(owned, layouts[nodes[rank][0]], rank, transport=cfg.weight_sync,
+                          bucket_bytes=sync_bytes, trainer_host=host, group=group)

@@ -31,6 +31,7 @@ import torch
 
 from megatron_dapo.config import SGLangConfig
 from megatron_dapo.rollout.base import EngineStateError
+from megatron_dapo.rollout.sglang.environment import missing_cuda_modules, server_environment
 from megatron_dapo.rollout.sglang.process import (
     child_processes,
     file_tail,
@@ -116,6 +117,7 @@ class SGLangServer:
         self._cmd = self._launch_command(dtype, colocate, max_total_tokens, extra_args)
         self._started_at = time.monotonic()
         if not attach:
+            self._check_python(colocate)
             self._start()
         if wait:
             self.wait_ready()
@@ -165,13 +167,19 @@ class SGLangServer:
         return cmd + user
 
     def _server_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        if Path(self.python).resolve() != Path(sys.executable).resolve():
-            env.pop("PYTHONPATH", None)  # never leak this interpreter's packages into the server's
-            env.pop("PYTHONHOME", None)
-        if self.device == "cpu":
-            env["SGLANG_USE_CPU_ENGINE"] = "1"
-        return env
+        own = Path(self.python).resolve() == Path(sys.executable).resolve()
+        return server_environment(dict(os.environ), own_python=own, device=self.device)
+
+    def _check_python(self, colocate: bool) -> None:
+        """On a GPU, refuse an SGLang install without its CUDA kernels (the CPU venv) in one line."""
+        if self.device != "cuda":
+            return
+        missing = missing_cuda_modules(self.python, memory_saver=colocate)
+        if missing:
+            raise SGLangServerError(
+                f"cannot start SGLang on CUDA with {self.python}: it lacks {', '.join(missing)} (a CPU "
+                f"build, such as tools/sglang_venv.sh's venv); set MEGATRON_DAPO_SGLANG_PYTHON to an SGLang "
+                f"install with its CUDA kernels")
 
     def _start(self) -> None:
         if port_in_use(self.host, self.port):
