@@ -62,6 +62,15 @@ def tiny_hf(tmp_path_factory):
 
     return make
 
+@pytest.fixture(scope="session")
+def base_dir(tmp_path_factory) -> Path:
+    """The tiny arithmetic base (8 s of pre-training), built once per test session and shared read-only
+    by every module that trains from it."""
+    from megatron_dapo.tiny import ensure_tiny_base
+
+    return ensure_tiny_base(tmp_path_factory.mktemp("base") / "tiny_base", seconds=8)
+
+
 # SGLang fixtures (fake server executable, the real server's venv, tiny checkpoints) for every module.
 from sglang_support import fake_exe, fake_python, hf, models, sglang_python  # noqa: E402, F401
 

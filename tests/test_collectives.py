@@ -44,13 +44,6 @@ def test_the_audit_refuses_what_nccl_refuses():
     assert refused([{**host, "devices": ["cpu", "cuda"]}], "cpu:gloo,cuda:nccl")  # one call, two devices
 
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    from megatron_dapo.tiny import ensure_tiny_base
-
-    return ensure_tiny_base(tmp_path_factory.mktemp("base") / "tiny_base", seconds=8)
-
-
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
 def test_a_full_step_makes_only_collectives_cuda_accepts(base_dir, tmp_path, python_env, layout):
     tp, pp = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}[layout]

@@ -97,13 +97,6 @@ def torchrun(base_dir: Path, root: Path, run: str, env: dict, *flags: str) -> di
     return scalars(root / "tb" / run)
 
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    from megatron_dapo.tiny import ensure_tiny_base
-
-    return ensure_tiny_base(tmp_path_factory.mktemp("base") / "tiny_base", seconds=8)
-
-
 def test_dp2_run_equals_the_broadcast_path(base_dir, tmp_path, python_env):
     scattered = torchrun(base_dir, tmp_path, "scatter", python_env)
     reference = torchrun(base_dir, tmp_path, "broadcast", python_env, "--broadcast")

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from test_reliability import env, one_line, run  # noqa: F401 - env is a fixture
-from test_train import base_dir, train_cmd  # noqa: F401 - base_dir is a fixture
+from test_train import train_cmd
 
 from megatron_dapo.rollout import EmbeddedEngine, NonFiniteLogitsError, SamplingParams
 from megatron_dapo.rollout.base import GroupRequest

@@ -79,13 +79,6 @@ def test_eval_result_by_hand():
 
 
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    from megatron_dapo.tiny import ensure_tiny_base
-
-    return ensure_tiny_base(tmp_path_factory.mktemp("base") / "tiny_base", seconds=8)
-
-
-@pytest.fixture(scope="module")
 def trained(base_dir, tmp_path_factory, python_env_module):
     """One DAPO step with validation before and after, samples every step, a checkpoint."""
     root = tmp_path_factory.mktemp("run")

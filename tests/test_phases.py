@@ -213,13 +213,6 @@ def test_embedded_engine_tags():
 # ----------------------------------------------------------------------------- a real colocated run
 
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    from megatron_dapo.tiny import ensure_tiny_base
-
-    return ensure_tiny_base(tmp_path_factory.mktemp("base") / "tiny_base", seconds=8)
-
-
 SMALL = ["train.prompt_batch_size=8", "train.mini_batch_size=4", "algo.group_size=4", "eval.every_steps=0",
          "algo.filter_metric=score", "checkpoint.save_every=0", "checkpoint.export_hf=false",
          "data.val_path=", "train.deterministic=true"]

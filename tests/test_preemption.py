@@ -26,7 +26,7 @@ import psutil
 import pytest
 from sglang_support import SGLANG_TIMEOUT, _gone, server_ports
 from test_reliability import env, logged_steps, one_line, run, signal_job, wait_for  # noqa: F401 (env: fixture)
-from test_train import base_dir, train_cmd  # noqa: F401 - base_dir is a fixture
+from test_train import train_cmd
 
 
 def group_gone(pgid: int) -> bool:

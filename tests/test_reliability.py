@@ -33,13 +33,6 @@ COMPARED = [t for t in TAGS if not t.startswith(("timing/", "perf/", "val/"))]
 
 
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    from megatron_dapo.tiny import ensure_tiny_base
-
-    return ensure_tiny_base(tmp_path_factory.mktemp("base") / "tiny_base", seconds=8)
-
-
-@pytest.fixture(scope="module")
 def env():
     repo = Path(__file__).resolve().parents[1]
     return {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",

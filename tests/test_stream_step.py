@@ -8,7 +8,7 @@ import math
 
 import pytest
 from test_streaming import FailingEngine
-from test_train import TAGS, base_dir, kill_job_at, run_train, scalars, train_cmd  # noqa: F401 - base_dir is a fixture
+from test_train import TAGS, kill_job_at, run_train, scalars, train_cmd
 
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats
 from megatron_dapo.config import AlgoConfig, ConfigError, RewardConfig, load_config, validate

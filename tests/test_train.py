@@ -32,13 +32,6 @@ SMALL = ["train.prompt_batch_size=8", "train.mini_batch_size=4", "algo.group_siz
          "eval.max_prompts=16", "eval.every_steps=2", "train.deterministic=true", "algo.filter_metric=score"]
 
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    from megatron_dapo.tiny import ensure_tiny_base
-
-    return ensure_tiny_base(tmp_path_factory.mktemp("base") / "tiny_base", seconds=8)
-
-
 def scalars(logdir: Path) -> dict[str, dict[int, float]]:
     """tag -> step -> value (the last one written wins, as after a resume)."""
     from megatron_dapo.metrics import read_scalars

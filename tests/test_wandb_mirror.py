@@ -164,14 +164,12 @@ def test_config_fields():
 
 
 @needs_wandb
-def test_a_training_run_mirrors_to_wandb(tmp_path, python_env):
+def test_a_training_run_mirrors_to_wandb(base_dir, tmp_path, python_env):
     """Two steps of the tiny run with Dr. GRPO and the offline mirror: every TensorBoard scalar of every step
     is in the W&B run, with the config and the train samples; the start-up summary names the loss."""
     from test_train import scalars
 
-    from megatron_dapo.tiny import ensure_tiny_base
-
-    base = ensure_tiny_base(tmp_path / "tiny_base", seconds=8)
+    base = base_dir
     env = {**python_env, "WANDB_CONFIG_DIR": str(tmp_path / "wbc"), "WANDB_CACHE_DIR": str(tmp_path / "wbc"),
            "WANDB_DATA_DIR": str(tmp_path / "wbd")}
     cmd = [sys.executable, "-m", "megatron_dapo.train", "--config",

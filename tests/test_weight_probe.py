@@ -71,13 +71,6 @@ def test_the_probe_stops_above_the_dtype_tolerance(model, shift, fail, stops):
     assert ("server gone" in str(e.value)) == fail
 
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    from megatron_dapo.tiny import ensure_tiny_base
-
-    return ensure_tiny_base(tmp_path_factory.mktemp("base") / "tiny_base", seconds=8)
-
-
 def train_cmd(base_dir, root, *extra, script=("-m", "megatron_dapo.train")):
     return [sys.executable, *script, "--config", str(REPO / "examples/configs/tiny_cpu.yaml"),
             f"model.hf_dir={base_dir}", f"checkpoint.dir={root / 'ckpt'}", f"logging.tensorboard_dir={root / 'tb'}",

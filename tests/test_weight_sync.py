@@ -75,7 +75,7 @@ def run_sync(hf_dir, tmp_path, python_env, tp, pp):
 
 
 
-def test_a_bf16_run_syncs_two_bytes_per_parameter(tmp_path, python_env):
+def test_a_bf16_run_syncs_two_bytes_per_parameter(base_dir, tmp_path, python_env):
     """The weights travel in the model's dtype (not float32): a bfloat16 run's sync (the trainer's own
     run state and phases) moves 2 bytes per parameter of the HF checkpoint; rank 0 feeds the embedded
     engine, nothing crosses nodes."""
@@ -85,9 +85,7 @@ def test_a_bf16_run_syncs_two_bytes_per_parameter(tmp_path, python_env):
     from test_train import SMALL
 
     from megatron_dapo.hf_files import hf_tensor_table
-    from megatron_dapo.tiny import ensure_tiny_base
-
-    base = ensure_tiny_base(tmp_path / "tiny_base", seconds=8)
+    base = base_dir
     cmd = [sys.executable, str(RUN_WORKER), "--config", str(REPO / "examples/configs/tiny_cpu.yaml"),
            f"model.hf_dir={base}", f"checkpoint.dir={tmp_path / 'ckpt'}",
            f"logging.tensorboard_dir={tmp_path / 'tb'}",
