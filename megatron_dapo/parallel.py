@@ -165,6 +165,21 @@ def join_driver(label: str, *, poll_s: float = 0.5) -> None:
         time.sleep(poll_s)
 
 
+def from_driver(label: str, value: str) -> str:
+    """Every rank: the driver's `value` (host-side, through the rendezvous store), for what only the driver
+    knows and every rank must agree on (whether a validation set was loaded: validation is collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    key, store = f"megatron_dapo/from_driver/{label}", _get_default_store()
+    if is_main():
+        store.set(key, value)
+        return value
+    store.wait([key])
+    return store.get(key).decode()
+
+
 def barrier() -> None:
     """Every rank waits for the others (host-side ordering of memory phases across ranks)."""
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -80,7 +80,7 @@ def _steps(run: RunState, stop: StopSignals) -> dict[str, float]:
     for step in bar:
         out = dapo_step(run, step)
         last = run.budget_spent()
-        if run.wants_eval(step) or (last and run.val_prompts):
+        if run.wants_eval(step) or (last and run.has_val):
             out.update(validate_policy(run, step))
         write(run, step, out, bar)
         signum = stop.requested()

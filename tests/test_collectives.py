@@ -61,6 +61,23 @@ def test_a_full_step_makes_only_collectives_cuda_accepts(base_dir, tmp_path, pyt
     assert not (bad := refused(records, cuda_backend)), "\n".join(bad)
 
 
+def test_every_rank_validates_when_only_the_driver_holds_the_validation_set(base_dir, tmp_path, python_env):
+    """The validation prompts live on the driver; validating moves the devices collectively (a barrier per
+    phase), so every rank must agree to validate: TP2 with validation at steps 0 and 1 completes (the other
+    rank skipped step 0's validation and the two ranks' barriers crossed: a hang)."""
+    from test_train import scalars
+
+    steps = [a for a in STEP if not a.startswith(("eval.every_steps", "data.val_path"))]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(parallel.free_port()), "-m", "megatron_dapo.train", "--config", str(REPO / "examples/configs/tiny_cpu.yaml"),
+           f"model.hf_dir={base_dir}", f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path}",
+           "logging.run_name=val", "parallel.tensor_parallel=2", *steps, "eval.every_steps=1", "eval.max_prompts=4",
+           "eval.n_samples=2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=python_env, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    assert set(scalars(tmp_path / "val")["val/acc_avg_at_k"]) == {0, 1}
+
+
 def test_a_rollout_longer_than_the_collective_timeout_completes(base_dir, tmp_path, python_env):
     """parallel.timeout_s=20 and a first rollout that takes over 35 s (its first reward call sleeps): rank 1
     waits for the driver on the rendezvous store, not in the header's broadcast (which timed out: gloo

@@ -70,6 +70,7 @@ class RunState:
     """The run folder's lock (rank 0); released by close()."""
     last_saved: int | None = None
     timer: PhaseTimer = field(default_factory=PhaseTimer)
+    _has_val: bool | None = field(default=None, repr=False)
 
     @property
     def is_driver(self) -> bool:
@@ -93,9 +94,16 @@ class RunState:
         budget = self.cfg.train.rollout_budget
         return budget > 0 and self.samples_generated >= budget
 
+    @property
+    def has_val(self) -> bool:
+        """The driver loaded validation prompts (every rank agrees: validation moves the devices collectively)."""
+        if self._has_val is None:
+            self._has_val = parallel.from_driver("has_val", "1" if self.val_prompts else "") == "1"
+        return self._has_val
+
     def wants_eval(self, step: int) -> bool:
         every = self.cfg.eval.every_steps
-        return bool(self.val_prompts) and every > 0 and (step % every == 0 or step == self.cfg.train.steps)
+        return self.has_val and every > 0 and (step % every == 0 or step == self.cfg.train.steps)
 
     def wants_samples(self, step: int) -> bool:
         every = self.cfg.logging.samples_every
@@ -212,6 +220,7 @@ def build_run(cfg: Config) -> RunState:
             log.warning(note)
         run = _build(cfg, tokenizer, folder, lock, scorer, prompt_format, report)
         parallel.join_driver("startup")  # the driver's engine, prompts and metrics: however long they take
+        run.has_val  # noqa: B018 - every rank learns it now, while the driver is known to have set it
     except BaseException:
         if lock is not None:
             lock.release()

@@ -12,8 +12,8 @@ from megatron_dapo.loop import weight_sync
 honest = weight_sync.hf_weight_stream
 
 
-def scaled_stream(module, spec, dtype):
-    for name, t in honest(module, spec, dtype):
+def scaled_stream(module, spec, dtype, **kw):
+    for name, t in honest(module, spec, dtype, **kw):
         yield name, (t * 3 if name.endswith("layers.0.mlp.down_proj.weight") else t)
 
 
