@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from test_train import TAGS, kill_job_at, run_train, scalars, train_cmd
@@ -19,6 +20,7 @@ from megatron_dapo.loop.stream import StreamRollout, StreamStats
 from megatron_dapo.rollout.base import GroupRequest, SamplingParams
 from megatron_dapo.types import Group, Prompt, Sample
 
+REPO = Path(__file__).resolve().parents[1]
 ASYNC = ["rollout.colocate=false", "rollout.async_steps=1"]
 
 
@@ -222,6 +224,20 @@ def test_a_killed_async_run_resumes_exactly(base_dir, tmp_path, python_env):
         for step in (3, 4):
             assert a[tag][step] == b[tag][step], (tag, step, a[tag][step], b[tag][step])
 
+
+
+def test_bench_async_reports_the_ratio_beside_the_overlap_limit():
+    """tools/bench_async.py's arithmetic: generation 3 s + training 1 s a step cannot overlap below 3/4."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_async import compare
+
+    sync = {"timing/rollout_s": [2.5, 2.5], "timing/reward_s": [0.5, 0.5], "timing/step_s": [4.0, 4.0],
+            "perf/tokens_per_s": [10.0, 10.0]}
+    pipe = {"timing/step_s": [3.2, 3.4], "timing/actor_idle_s": [2.0, 2.2], "timing/engine_idle_s": [0.1, 0.1],
+            "timing/overlap_s": [1.0, 1.0], "perf/tokens_per_s": [12.0, 12.0]}
+    row = compare("tiny", "embedded", sync, pipe)
+    assert row["limit"] == 0.75 and abs(row["ratio"] - 3.3 / 4.0) < 1e-12
+    assert (row["sync_generate_s"], row["sync_train_s"], row["async_actor_idle_s"]) == (3.0, 1.0, 2.1)
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
