@@ -24,6 +24,7 @@ from megatron_dapo.config import Config, ConfigError, build_parser, load_config,
 from megatron_dapo.loop import distribute, scalars
 from megatron_dapo.loop.collect import StepRollout, collect_step, evaluate, step_sampling
 from megatron_dapo.loop.old_policy import apply_rollout_correction, old_logprobs
+from megatron_dapo.loop.pipeline import drop_stale, staleness_scalars
 from megatron_dapo.loop.preempt import Preempted, StartInterrupted, StopSignals
 from megatron_dapo.loop.state import RunState, build_run
 from megatron_dapo.loop.weight_probe import WeightSyncError
@@ -57,6 +58,8 @@ def start_run(cfg: Config, stop: StopSignals) -> RunState:
     run = None
     try:
         run = build_run(cfg)
+        if run.pipeline is not None:
+            run.pipeline.produce = lambda step: collect(run, step)
         stop.started()
         return run
     except (StartInterrupted, Exception) as e:
@@ -100,17 +103,26 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     """One DAPO step: rollout -> rewards -> dynamic sampling -> advantages -> pi_old -> updates -> sync."""
     cfg, timer, t_step = run.cfg, run.timer, time.perf_counter()
     scale_by_std = policy_loss_spec(cfg.algo.policy_loss).scale_advantages_by_std  # False for Dr. GRPO
+    pipeline, out = run.pipeline, {}
     run.phases.generate()
     with timer("rollout"):  # (generation and reward scoring happen round by round, or group by group)
-        with rollout_logits_checked(run, after_step=step - 1):
-            rollout = collect(run, step) if run.is_driver else None
+        with rollout_logits_checked(run, after_step=step - 1 if pipeline is None else run.phases.step):
+            rollout = (collect(run, step) if pipeline is None else pipeline.take(step)) if run.is_driver else None
+        if pipeline is not None and run.is_driver:  # off-policy: the next batch generates while this one trains
+            if step < cfg.train.steps:
+                pipeline.start(step + 1)
+            out.update(staleness_scalars(rollout, step - 1, drop_stale(rollout, step - 1, cfg.rollout.async_steps)))
         parallel.join_driver("rollout")  # the other ranks wait host-side, however long the rollout takes
         rows = distribute.step_rows(rollout, num_mini_batches=run.num_mini_batches,
                                     overlong_filtering=cfg.algo.overlong_filtering,
                                     pad_id=run.tokenizer.pad_token_id or 0, scale_by_std=scale_by_std)
-    timer.move("rollout", "reward", rollout.reward_seconds if rollout is not None else 0.0)
+    if pipeline is None:
+        timer.move("rollout", "reward", rollout.reward_seconds if rollout is not None else 0.0)
+    elif rollout is not None:  # scored in the producer, overlapping the previous step
+        out["timing/reward_s"] = rollout.reward_seconds
     run.samples_generated += rows.samples_generated
-    out = {"rollout/samples_total": float(run.samples_generated), "rollout/groups_trained": float(rows.groups_trained)}
+    out.update({"rollout/samples_total": float(run.samples_generated),
+                "rollout/groups_trained": float(rows.groups_trained)})
     if rollout is not None:  # the driver has every sample: the all-sample monitors are computed there
         run.write_samples(step, "train", rollout.generated)
         out.update(scalars.rollout_scalars(rollout, samples_total=run.samples_generated,
@@ -122,29 +134,43 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     batch = rows.batch
     if batch is None:
         log.warning("step %d: no informative group to train on; skipping the update", step)
-        return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, 0, None)}
+        batch_boundary(run)
+        return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, 0, None),
+                **(pipeline.step_scalars() if pipeline is not None else {})}
     run.phases.train()
     with timer("old_logprob"):
         batch.old_logprobs, entropy = old_logprobs(run.actor, batch, cfg.algo)
-    out.update(apply_rollout_correction(batch, cfg.algo))
+    out.update(apply_rollout_correction(batch, cfg.algo, cfg.rollout_correction()))
     with timer("update"):
         try:
             update = run.actor.train_step(batch, num_mini_batches=run.num_mini_batches,
                                           epochs=cfg.algo.epochs_per_rollout)
         except NonFiniteWeightsError as e:
             raise NonFiniteWeightsError(f"step {step}: {e}") from None
+    batch_boundary(run)
     with timer("weight_sync"):
         sync = run.phases.sync(step)
     out.update(scalars.update_scalars(update, parallel.dp_sum(scalars.token_sums(batch, entropy))))
     out.update(run.phases.ledger)
     tokens = int(batch.lengths.sum())
-    return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, tokens, sync.scalars())}
+    return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, tokens, sync.scalars()),
+            **(pipeline.step_scalars() if pipeline is not None and run.is_driver else {})}
+
+
+def batch_boundary(run: RunState) -> None:
+    """Off-policy pipelining: wait for the next batch (generated from the weights the engine still holds)
+    before those weights change. Nothing to do in the synchronous loop."""
+    if run.pipeline is not None:
+        with rollout_logits_checked(run, after_step=run.phases.step):
+            with run.timer("rollout_wait"):
+                run.pipeline.wait()
 
 
 def collect(run: RunState, step: int) -> StepRollout:
     """The step's groups (driver only): streamed (`rollout.streaming`) or in synchronous rounds."""
     cfg = run.cfg
     common = dict(target_groups=cfg.train.prompt_batch_size, algo=cfg.algo, scorer=run.scorer)
+    common["version"] = run.phases.step  # the engine's weights: those after this update
     if cfg.rollout.streaming:
         rollout = collect_stream(run.engine, run.tokenizer, run.next_prompts, **common,
                                  sampling=lambda g: group_sampling(cfg, step, g, run.eos_ids),

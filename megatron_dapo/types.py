@@ -39,6 +39,10 @@ class Sample:
     """Final scalar reward R_i (rule reward + soft overlong term)."""
     acc: bool = False
     pred: str | None = None
+    versions: list[tuple[int, int]] = field(default_factory=list)
+    """(first response token, policy version) spans: the weights after which update made which tokens
+    (version s = after step s's update; set by the step's collector). A sample continued by a later step
+    (partial rollout) has one span per step that extended it."""
 
     @property
     def truncated(self) -> bool:

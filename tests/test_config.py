@@ -36,7 +36,7 @@ def test_defaults_follow_the_paper_to_the_letter():
     assert a.filter_metric == "acc"  # eq. 11: 0 < #correct < G
     assert a.clip_ratio_c is None  # eq. 10, no dual-clip
     assert r.answer_fallback == "none"  # only the Answer: line counts
-    assert (a.rollout_correction, a.old_logprob_source) == ("none", "recompute")
+    assert (Config().rollout_correction(), a.old_logprob_source) == ("none", "recompute")
     assert (a.rollout_correction_threshold, a.rollout_correction_threshold_low) == (2.0, None)
 
 

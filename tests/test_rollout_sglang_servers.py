@@ -156,6 +156,27 @@ def test_trainer_with_two_sglang_servers(sglang_python, tmp_path, python_env):
 
 @pytest.mark.sglang
 @SGLANG_TIMEOUT
+def test_async_trainer_generates_the_next_batch_on_a_server_of_its_own(sglang_python, tmp_path, python_env):
+    """rollout.async_steps=1 on a real SGLang server (not colocated): the producer thread drives the server
+    over HTTP while the actor trains, batches 2 and 3 are one version old, the weights reach the server at
+    each boundary (the probe checks them) and the correction sees the gap."""
+    import subprocess
+
+    from test_train import scalars
+
+    cmd = _trainer_cmd(tmp_path, "async", f"rollout.sglang.base_port={server_ports()}", "rollout.colocate=false",
+                       "rollout.async_steps=1", "train.steps=3", "eval.every_steps=0")
+    env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+    assert r.returncode == 0, r.stderr[-6000:]
+    tb = scalars(tmp_path / "tb" / "async")
+    assert tb["rollout/staleness_mean"] == {1: 0.0, 2: 1.0, 3: 1.0}
+    assert set(tb["rollout_corr/weight_mean"]) == {1, 2, 3} and set(tb["timing/overlap_s"]) == {1, 2, 3}
+    assert max(tb["rollout/weight_sync_probe_absdiff"].values()) < 0.01
+
+
+@pytest.mark.sglang
+@SGLANG_TIMEOUT
 def test_torchrun_trainer_with_the_distributed_weight_transport(sglang_python, tmp_path, python_env):
     """Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True, RANK / MASTER_PORT of the trainer set) the server
     starts in a clean environment and answers /health, and the weight group serves its own store: both

@@ -5,37 +5,11 @@ YAML files hold deltas over these defaults (loading.py); `validate()` (validatio
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
-LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-FilterMetric = Literal["acc", "score"]
-OnExhausted = Literal["train_partial", "error"]
-REWARD_FUNCTION = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
-"""reward.name (or algo.policy_loss) of a user function: `module.path:function`."""
-POLICY_LOSSES = ("dapo", "gspo", "cispo", "dr_grpo")
-"""The built-in policy losses (algo/policy_losses.py registers them, in this order)."""
-REWARDS = ("math_dapo", "math_verify")
-"""The built-in verifiers (reward/custom.py)."""
-PROMPT_TEMPLATES = ("auto", "dapo_math", "gsm8k", "raw")
-"""data.prompt_template's built-in names (data/templates.py holds the templates)."""
-
-
-def knob(default: Any, interval: str | None = None, why: str = "", *, on_resume: bool = False) -> Any:
-    """A field's default with what else the config knows of it: the valid interval of a number (interval
-    notation, checked by validate(); `why` is shown when a value falls outside) and whether a resumed run
-    may change it without being "a different run" (`on_resume`; a whole section: ON_RESUME = True)."""
-    return field(default=default, metadata={"interval": interval, "why": why, "on_resume": on_resume})
-
-
-class ConfigError(ValueError):
-    """A config file or override that cannot be applied; the message names the key. `problems`: each
-    problem found, when validate() found several (the message joins them on one line)."""
-
-    def __init__(self, message: str, problems: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.problems = problems or (message,)
+from megatron_dapo.config.fields import (  # noqa: F401 - the tree's vocabulary, imported from here too
+    POLICY_LOSSES, PROMPT_TEMPLATES, REWARD_FUNCTION, REWARDS, ConfigError, FilterMetric, LossAggMode, OnExhausted, knob)
 
 
 @dataclass(kw_only=True)
@@ -190,6 +164,12 @@ class RolloutConfig:
     """Partial rollout: a group is carried into at most this many later steps, so its oldest tokens are at
     most this many policy updates stale; one still unfinished after that is dropped when the step aborts
     it (rollout/dropped_stale_groups; its tokens count as wasted). 0 = no bound."""
+    async_steps: int = knob(0, "[0, 1]", "0 = synchronous")
+    """Off-policy pipelining (loop/pipeline.py), with the engine on its own devices (colocate=false):
+    1 = while the actor trains step s, the engine generates step s+1's batch from the weights after step
+    s-1; the new weights reach it at the batch boundary. A trained group is then one policy version old
+    (rollout/staleness_*); older ones (partial rollout's carried groups) are dropped and counted. π_old is
+    the actor's recompute; algo.rollout_correction=auto weighs the gap with token_tis. 0 = Algorithm 1."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
@@ -262,11 +242,12 @@ class AlgoConfig:
     old_logprob_source: Literal["recompute", "rollout"] = "recompute"
     """pi_old of the ratio: recompute = a forward pass of the trainer before the updates; rollout = the
     engine's sampling logprobs (skips that pass; the train-inference mismatch then enters the ratio)."""
-    rollout_correction: Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis"] = "none"
+    rollout_correction: Literal["auto", "none", "token_tis", "seq_tis", "token_mis", "seq_mis"] = "auto"
     """Importance weights for the train-inference mismatch, w from pi_old / pi_rollout
     (algo/rollout_correction.py): token_tis / seq_tis truncate the token / sequence ratio at the
     threshold; token_mis / seq_mis drop tokens / whole sequences whose ratio leaves
-    [threshold_low, threshold]. none = no weights."""
+    [threshold_low, threshold]. none = no weights. auto = token_tis when rollout.async_steps > 0 (the
+    batch comes from an older policy), else none."""
     rollout_correction_threshold: float = knob(2.0, "(0, inf)")
     """C: the truncation bound (tis) or the upper end of the kept band (mis); > 0."""
     rollout_correction_threshold_low: float | None = knob(None, "(0, inf)")
@@ -397,3 +378,10 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def rollout_correction(self) -> str:
+        """algo.rollout_correction with auto resolved: token_tis for an off-policy pipeline, else none."""
+        name = self.algo.rollout_correction
+        if name != "auto":
+            return name
+        return "token_tis" if self.rollout.async_steps > 0 else "none"

@@ -38,7 +38,7 @@ def _problems(cfg: Config) -> list[str]:
     if t.prompt_batch_size % max(t.mini_batch_size, 1):
         p.append(f"train.mini_batch_size={t.mini_batch_size} must divide "
                  f"train.prompt_batch_size={t.prompt_batch_size}")
-    p += _correction_problems(a) + _policy_loss_problems(a)
+    p += _correction_problems(a, cfg.rollout_correction()) + _policy_loss_problems(a) + _async_problems(cfg)
     if cfg.reward.soft_overlong_punishment and not 0 < cfg.reward.overlong_cache_len < r.max_response_len:
         p.append(f"reward.overlong_cache_len={cfg.reward.overlong_cache_len} must be in "
                  f"(0, rollout.max_response_len={r.max_response_len})")
@@ -84,7 +84,22 @@ def _policy_loss_problems(a: AlgoConfig) -> list[str]:
     return p
 
 
-def _correction_problems(a: AlgoConfig) -> list[str]:
+def _async_problems(cfg: Config) -> list[str]:
+    """rollout.async_steps: the engine on its own devices, pi_old recomputed by the actor."""
+    r = cfg.rollout
+    if not r.async_steps:
+        return []
+    p: list[str] = []
+    if r.colocate:
+        p.append(f"rollout.async_steps={r.async_steps} overlaps generation with training, which needs the engine on "
+                 "its own devices: set rollout.colocate=false (or async_steps=0)")
+    if cfg.algo.old_logprob_source == "rollout":
+        p.append(f"rollout.async_steps={r.async_steps} with algo.old_logprob_source=rollout: the batch comes "
+                 "from an older policy, pi_old must be the actor's recompute (old_logprob_source=recompute)")
+    return p
+
+
+def _correction_problems(a: AlgoConfig, correction: str) -> list[str]:
     """Dual-clip and rollout-correction ranges."""
     p: list[str] = []
     high, low = a.rollout_correction_threshold, a.rollout_correction_threshold_low
@@ -93,11 +108,11 @@ def _correction_problems(a: AlgoConfig) -> list[str]:
     elif low is not None and not 0 < low < high:
         p.append(f"algo.rollout_correction_threshold_low={low} must be in "
                  f"(0, algo.rollout_correction_threshold={high})")
-    elif low is None and a.rollout_correction.endswith("_mis") and not high > 1:
-        p.append(f"algo.rollout_correction_threshold={high} must be > 1 for {a.rollout_correction} "
+    elif low is None and correction.endswith("_mis") and not high > 1:
+        p.append(f"algo.rollout_correction_threshold={high} must be > 1 for {correction} "
                  "(the default band's lower end is 1 / threshold)")
-    if a.rollout_correction != "none" and a.old_logprob_source == "rollout":
-        p.append(f"algo.rollout_correction={a.rollout_correction} with algo.old_logprob_source=rollout: "
+    if correction != "none" and a.old_logprob_source == "rollout" and a.rollout_correction != "auto":
+        p.append(f"algo.rollout_correction={correction} with algo.old_logprob_source=rollout: "
                  "pi_old is the rollout policy then, so every correction weight would be 1")
     return p
 

@@ -19,7 +19,7 @@ from megatron_dapo.config import AlgoConfig, Config
 from megatron_dapo.loop.evaluation import EvalResult, generate_and_score, generate_groups, score_group
 from megatron_dapo.reward.scorer import Scorer
 from megatron_dapo.rollout.base import RolloutEngine, SamplingParams
-from megatron_dapo.types import Group, Prompt
+from megatron_dapo.types import Group, Prompt, Sample
 
 
 @dataclass
@@ -38,6 +38,18 @@ class StepRollout:
         tokens = sum(s.response_len for g in self.generated for s in g.samples)
         speed = tokens / self.generate_seconds if self.generate_seconds > 0 else 0.0
         return {"perf/rollout_tokens_per_s": speed, "reward/failures": float(self.reward_failures)}
+
+
+def stamp(samples: list[Sample], version: int, before: tuple[Sample, ...] = ()) -> None:
+    """Record that `version` made each sample's tokens after those of `before[k]` (the sample as it was
+    carried in: its spans are kept); a sample with no span gets (0, version)."""
+    for k, s in enumerate(samples):
+        prior = before[k] if k < len(before) else None
+        spans = [tuple(v) for v in prior.versions] if prior is not None else []
+        start = prior.response_len if prior is not None else 0
+        if s.response_len > start or not spans:
+            spans.append((start, version))
+        s.versions = spans
 
 
 def seed_of(*parts: Any) -> int:
@@ -61,8 +73,9 @@ def eval_sampling(cfg: Config, eos_ids: tuple[int, ...]) -> SamplingParams:
 
 def collect_step(engine: RolloutEngine, tokenizer, next_prompts: Callable[[int], list[Prompt]], *,
                  target_groups: int, algo: AlgoConfig, scorer: Scorer,
-                 sampling: Callable[[int], SamplingParams]) -> StepRollout:
-    """Rounds of generate + score until the sampler is done; `sampling(round)` seeds each round."""
+                 sampling: Callable[[int], SamplingParams], version: int = 0) -> StepRollout:
+    """Rounds of generate + score until the sampler is done; `sampling(round)` seeds each round; every
+    sample is stamped with `version` (the engine's policy version)."""
     sampler = DynamicSampler(target_groups, algo.max_gen_rounds, algo.on_rounds_exhausted, algo.dynamic_sampling,
                              metric=algo.filter_metric)
     first = math.ceil(target_groups * algo.gen_batch_multiplier)
@@ -75,6 +88,7 @@ def collect_step(engine: RolloutEngine, tokenizer, next_prompts: Callable[[int],
         round_idx += 1
         t1 = time.perf_counter()
         for g in groups:
+            stamp(g.samples, version)
             score_group(g, tokenizer, scorer)
         generate_seconds += t1 - t0
         reward_seconds += time.perf_counter() - t1

@@ -26,10 +26,11 @@ def old_logprobs(actor: Actor, batch: TrainBatch, algo: AlgoConfig) -> tuple[tor
     return actor.compute_logprobs(batch)
 
 
-def apply_rollout_correction(batch: TrainBatch, algo: AlgoConfig) -> dict[str, float]:
-    """Set `batch.is_weights` per algo.rollout_correction; return the rollout_corr/* monitors over all
-    data-parallel ranks (a collective when DP > 1; nothing when the correction is off)."""
-    spec = correction_spec(algo.rollout_correction)
+def apply_rollout_correction(batch: TrainBatch, algo: AlgoConfig, correction: str) -> dict[str, float]:
+    """Set `batch.is_weights` per `correction` (algo.rollout_correction resolved: Config.rollout_correction);
+    return the rollout_corr/* monitors over all data-parallel ranks (a collective when DP > 1; nothing when
+    the correction is off)."""
+    spec = correction_spec(correction)
     if spec is None:
         return {}
     level, mode = spec

@@ -68,8 +68,20 @@ class StartupReport:
                                                                if cfg.data.few_shot_path else ""),
             f"reward: {reward}",
             f"policy loss: {policy_loss_line(cfg)}",
+            f"rollout schedule: {schedule_line(cfg)}",
             *self.data,
         ]
+
+
+def schedule_line(cfg: Config) -> str:
+    """Synchronous (Algorithm 1) or pipelined, and the rollout correction that follows from it."""
+    name = cfg.rollout_correction()
+    correction = f"rollout correction {name}" + (" (algo.rollout_correction=auto)"
+                                                 if cfg.algo.rollout_correction == "auto" else "")
+    if not cfg.rollout.async_steps:
+        return f"synchronous (each step generates its own batch from the newest weights); {correction}"
+    return (f"off-policy pipelining, rollout.async_steps={cfg.rollout.async_steps}: the next step's batch "
+            f"generates while the actor trains, from weights one update older; {correction}")
 
 
 def policy_loss_line(cfg: Config) -> str:

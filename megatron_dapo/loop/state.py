@@ -17,7 +17,6 @@ from megatron_dapo.actor.model import UnsupportedModelError, param_dtype
 from megatron_dapo.algo.policy_losses import policy_loss_spec
 from megatron_dapo.cli import preflight_error
 from megatron_dapo.config import Config, ModelConfig, to_dict
-from megatron_dapo.config.model_checks import read_model_config
 from megatron_dapo.config.ranges import may_change_on_resume
 from megatron_dapo.data import PromptFormat, PromptIterator
 from megatron_dapo.data.render import default_system_prompt, use_chat_template
@@ -25,6 +24,7 @@ from megatron_dapo.hf_files import HFCheckpointError
 from megatron_dapo.loop import run_dir
 from megatron_dapo.loop.evaluation import sample_records
 from megatron_dapo.loop.phases import Phases
+from megatron_dapo.loop.pipeline import RolloutPipeline
 from megatron_dapo.loop.preflight import SetupError, check_model, checkpoint_bytes
 from megatron_dapo.loop.prompts import load_train_prompts, load_val_prompts
 from megatron_dapo.loop.startup import StartupReport, system_prompt_note
@@ -70,6 +70,8 @@ class RunState:
     """The run folder's lock (rank 0); released by close()."""
     last_saved: int | None = None
     timer: PhaseTimer = field(default_factory=PhaseTimer)
+    pipeline: RolloutPipeline | None = None
+    """rollout.async_steps > 0: the driver's producer of the next batch (loop/pipeline.py)."""
     _has_val: bool | None = field(default=None, repr=False)
 
     @property
@@ -126,7 +128,8 @@ class RunState:
     def save(self, step: int) -> None:
         state = {"data": self.prompts.state_dict() if self.prompts else None, "alarms": self.alarms.state_dict(),
                  "samples_generated": self.samples_generated, "config": to_dict(self.cfg),
-                 "carry": carry_state(self.carry)}
+                 "carry": carry_state(self.carry),
+                 "pending": self.pipeline.state_dict() if self.pipeline is not None else None}
         self.phases.train()  # the actor's state on its device (it may sleep through the rollout)
         with helpers_shielded():  # megatron-core's writer processes (and, once, their Manager) start here
             save_checkpoint(self.actor, self.ckpt_root, step, trainer_state=state,
@@ -144,6 +147,8 @@ class RunState:
         self.alarms.load_state_dict(trainer.get("alarms", {}))
         self.samples_generated = int(trainer.get("samples_generated", 0))
         self.carry = load_carry(trainer.get("carry", [])) if self.cfg.rollout.partial_rollout else []
+        if self.pipeline is not None:
+            self.pipeline.load_state_dict(trainer.get("pending"))
         self.start_step = self.last_saved = int(extra["step"])
         self.writer.load_history(self.start_step)
         if self.is_driver:
@@ -173,6 +178,8 @@ class RunState:
             self.engine.shutdown()
         for server in self.servers:
             server.shutdown()
+        if self.pipeline is not None:  # after the engine: a batch in production fails fast (SGLang)
+            self.pipeline.close()
         if self.lock is not None:
             self.lock.release()
 
@@ -262,7 +269,7 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
         engine = servers.engine
         report.engine = f"sglang ({len(servers.owned)} server(s) started by this rank)"
     else:
-        engine = _embedded_engine(actor, cfg.model, report, offloads) if driver else None
+        engine = _embedded_engine(actor, cfg.model, report, _why_own_weights(cfg)) if driver else None
     return RunState(
         cfg=cfg, actor=actor, tokenizer=tokenizer, engine=engine,
         phases=Phases(actor, engine, cfg.rollout.colocate, cfg.actor.offload_when_idle,
@@ -275,7 +282,7 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
                              wandb=cfg.logging.wandb, run_config=to_dict(cfg)),
         alarms=Alarms(cfg.logging, cfg.rollout.max_response_len),
         ckpt_root=folder, hf_dir=hf_dir, scorer=scorer, servers=servers.owned if servers is not None else [],
-        lock=lock)
+        lock=lock, pipeline=RolloutPipeline() if driver and cfg.rollout.async_steps else None)
 
 
 def _train_iterator(cfg: Config, tokenizer: Any, fmt: PromptFormat, report: StartupReport) -> PromptIterator:
@@ -293,10 +300,19 @@ def _start_sglang(cfg: Config, hf_dir: str):
                              dtype=dtype, colocate=cfg.rollout.colocate)
 
 
+def _why_own_weights(cfg: Config) -> str | None:
+    """Why the embedded engine must not generate on the actor's parameters even where it could."""
+    if cfg.rollout.async_steps:
+        return "the engine generates while the actor trains (rollout.async_steps)"
+    if cfg.rollout.colocate and cfg.actor.offload_when_idle:
+        return "the actor offloads while it generates: actor.offload_when_idle=false shares the actor's weights"
+    return None
+
+
 def _embedded_engine(actor: Actor, model_cfg: ModelConfig, report: StartupReport,
-                     offloads_weights: bool) -> RolloutEngine:
+                     why_own: str | None) -> RolloutEngine:
     """On the actor's own weights when they can be shared (shared_weights.py) and stay in place while the
-    engine generates, else from hf_dir."""
+    engine generates (`why_own` is None), else from hf_dir."""
     from megatron_dapo.loop.shared_weights import can_share, model_on_actor_weights
     from megatron_dapo.rollout.embedded import EmbeddedEngine
 
@@ -305,9 +321,8 @@ def _embedded_engine(actor: Actor, model_cfg: ModelConfig, report: StartupReport
     if not can_share(actor, dtype):
         report.engine = f"embedded, {own})"
         return EmbeddedEngine(hf_dir, device=parallel.device(), dtype=dtype)
-    if offloads_weights:  # the actor's weights leave memory while the engine generates: no aliasing
-        report.engine = (f"embedded, {own}; the actor offloads while it generates: actor.offload_when_idle=false "
-                         "shares the actor's weights)")
+    if why_own:
+        report.engine = f"embedded, {own}; {why_own})"
         return EmbeddedEngine(hf_dir, device=parallel.device(), dtype=dtype)
     model, shared = model_on_actor_weights(actor, hf_dir)
     total = sum(p.numel() for p in model.parameters())

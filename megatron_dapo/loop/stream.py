@@ -38,7 +38,7 @@ from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats, is_informa
 from megatron_dapo.config import AlgoConfig, Config
 from megatron_dapo.config.schema import FilterMetric, OnExhausted
 from megatron_dapo.data.render import render_prompt_ids
-from megatron_dapo.loop.collect import StepRollout, seed_of
+from megatron_dapo.loop.collect import StepRollout, seed_of, stamp
 from megatron_dapo.loop.evaluation import score_group
 from megatron_dapo.reward.scorer import Scorer
 from megatron_dapo.rollout.base import AbortReport, GroupRequest, RolloutEngine, SamplingParams
@@ -143,9 +143,11 @@ def group_sampling(cfg: Config, step: int, group: int, eos_ids: tuple[int, ...])
 def collect_stream(engine: RolloutEngine, tokenizer, next_prompts: Callable[[int], list[Prompt]], *,
                    target_groups: int, algo: AlgoConfig, scorer: Scorer,
                    sampling: Callable[[int], SamplingParams], max_inflight_groups: int = 0,
-                   partial: bool = False, carry: Carry = (), max_carry_steps: int = 0) -> StreamRollout:
+                   partial: bool = False, carry: Carry = (), max_carry_steps: int = 0,
+                   version: int = 0) -> StreamRollout:
     """The streaming counterpart of collect_step; `sampling(g)` gives group g's sampling (and seed).
-    With `partial`, `carry` (the previous step's) goes first and the result's carry is the next step's."""
+    With `partial`, `carry` (the previous step's) goes first and the result's carry is the next step's.
+    Samples are stamped with `version` (the engine's policy version) from where they were carried in."""
 
     def request(g: int) -> tuple[Prompt, GroupRequest]:
         prompt = next_prompts(1)[0]
@@ -153,13 +155,14 @@ def collect_stream(engine: RolloutEngine, tokenizer, next_prompts: Callable[[int
         return prompt, GroupRequest(key=g, prompt_ids=ids, n=algo.group_size, sampling=sampling(g))
 
     plan = StreamPlan.from_config(algo, target_groups, max_inflight_groups, partial, max_carry_steps)
-    out = stream_groups(engine, request, lambda g: score_group(g, tokenizer, scorer), plan, carry)
+    out = stream_groups(engine, request, lambda g: score_group(g, tokenizer, scorer), plan, carry, version)
     out.reward_failures = scorer.take_failures()
     return out
 
 
 def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, GroupRequest]],
-                  score: Callable[[Group], None], plan: StreamPlan, carry: Carry = ()) -> StreamRollout:
+                  score: Callable[[Group], None], plan: StreamPlan, carry: Carry = (),
+                  version: int = 0) -> StreamRollout:
     """Stream groups `request(0), request(1), ...` through `engine` until `plan` is met (module docstring);
     the groups of `carry` (partial rollout) go first, as groups 0 .. len(carry) - 1."""
     t0 = time.perf_counter()
@@ -187,6 +190,7 @@ def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, 
                     break  # the group budget is spent
                 result = stream.next()
                 group = Group(prompt=prompts.pop(result.key), samples=result.samples)
+                stamp(group.samples, version, requests[result.key].resume)
                 t = time.perf_counter()
                 score(group)
                 out.reward_seconds += time.perf_counter() - t
@@ -210,6 +214,8 @@ def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, 
             if set(report.partial) != set(report.keys):
                 raise RuntimeError(f"partial rollout: {type(stream).__name__} did not report every aborted "
                                    f"group's samples ({sorted(report.partial)} of {report.keys})")
+            for k in report.keys:
+                stamp(report.partial[k], version, requests[k].resume)
             carry = [(prompts[k], dataclasses.replace(requests[k], resume=tuple(report.partial[k]),
                                                       carried_steps=requests[k].carried_steps + 1))
                      for k in report.keys]
@@ -283,6 +289,7 @@ def load_carry(state: list[dict]) -> Carry:
         p, r = item["prompt"], dict(item["request"])
         prompt = Prompt(**{**p, "messages": tuple(p["messages"])})
         r["sampling"] = SamplingParams(**r["sampling"])
-        r["resume"] = tuple(Sample(**s) for s in r["resume"])
+        r["resume"] = tuple(Sample(**{**s, "versions": [tuple(v) for v in s.get("versions", ())]})
+                            for s in r["resume"])
         out.append((prompt, GroupRequest(**r)))
     return out

@@ -1,0 +1,36 @@
+"""What the config tree's fields are made of: the named choices, the `knob` that carries a field's interval
+and resume policy, and the error every config problem raises."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import field
+from typing import Any, Literal
+
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+FilterMetric = Literal["acc", "score"]
+OnExhausted = Literal["train_partial", "error"]
+REWARD_FUNCTION = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+"""reward.name (or algo.policy_loss) of a user function: `module.path:function`."""
+POLICY_LOSSES = ("dapo", "gspo", "cispo", "dr_grpo")
+"""The built-in policy losses (algo/policy_losses.py registers them, in this order)."""
+REWARDS = ("math_dapo", "math_verify")
+"""The built-in verifiers (reward/custom.py)."""
+PROMPT_TEMPLATES = ("auto", "dapo_math", "gsm8k", "raw")
+"""data.prompt_template's built-in names (data/templates.py holds the templates)."""
+
+
+def knob(default: Any, interval: str | None = None, why: str = "", *, on_resume: bool = False) -> Any:
+    """A field's default with what else the config knows of it: the valid interval of a number (interval
+    notation, checked by validate(); `why` is shown when a value falls outside) and whether a resumed run
+    may change it without being "a different run" (`on_resume`; a whole section: ON_RESUME = True)."""
+    return field(default=default, metadata={"interval": interval, "why": why, "on_resume": on_resume})
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be applied; the message names the key. `problems`: each
+    problem found, when validate() found several (the message joins them on one line)."""
+
+    def __init__(self, message: str, problems: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = problems or (message,)

@@ -1,0 +1,179 @@
+"""Off-policy pipelining (`rollout.async_steps=1`): the engine generates the next step's batch while the
+actor trains, on the driver rank.
+
+The schedule is fixed, so a run is reproducible and a killed run resumes exactly: while step s trains,
+batch s+1 is generated from the weights after step s-1 (the engine's weights then); the main thread waits
+for it at the batch boundary, then the weights after step s reach the engine (the step's sync). Batch 1
+and the first batch after a resume come from the weights the engine holds then. A checkpoint at step s
+holds batch s+1, generated and not yet trained on (`state_dict`), so the resumed run trains on the very
+same batch. Samples are stamped with the policy version that generated them (`Sample.versions`); a group
+with a sample older than `async_steps` versions when it is trained on (a partial rollout's carried group)
+is dropped and counted.
+
+The producer is one background thread with its own torch thread budget (half of the process's), so on
+a CPU the engine's and the actor's kernels run on different cores; the engine has its own weights (never
+the actor's, which change under it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats
+from megatron_dapo.loop.collect import StepRollout, stamp  # noqa: F401 - stamp: the collectors' half
+from megatron_dapo.loop.stream import StreamRollout, StreamStats, carry_state, load_carry
+from megatron_dapo.types import Group, Prompt, Sample
+
+
+def oldest_version(group: Group) -> int:
+    return min(v for s in group.samples for _, v in s.versions)
+
+
+def drop_stale(rollout: StepRollout, actor_version: int, max_staleness: int) -> int:
+    """Remove from `rollout.groups` those with a sample more than `max_staleness` versions behind the
+    actor's (`actor_version`: the updates the actor has made); returns how many were dropped."""
+    kept = [g for g in rollout.groups if actor_version - oldest_version(g) <= max_staleness]
+    dropped = len(rollout.groups) - len(kept)
+    rollout.groups = kept
+    return dropped
+
+
+def staleness_scalars(rollout: StepRollout, actor_version: int, dropped: int) -> dict[str, float]:
+    """rollout/staleness_mean / _max over the trained samples (updates between the oldest token's policy
+    and the actor's), and rollout/dropped_stale_groups."""
+    ages = [actor_version - min(v for _, v in s.versions) for g in rollout.groups for s in g.samples]
+    return {"rollout/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
+            "rollout/staleness_max": float(max(ages, default=0)),
+            "rollout/dropped_stale_groups": float(dropped)}
+
+
+class RolloutPipeline:
+    """Produces step batches in a background thread (`start`), hands them over at the boundary (`take`),
+    and measures how the two sides overlapped within each step (`step_scalars`)."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.produce: Callable[[int], StepRollout] | None = None
+        """step -> that step's rollout on the engine's current weights (set by the training loop)."""
+        total = torch.get_num_threads()
+        self.threads = threads or max(1, total // 2)
+        torch.set_num_threads(max(1, total - self.threads))  # the actor's share (this thread)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-producer")
+        self._pending: tuple[int, Future] | None = None
+        self._ready: tuple[int, StepRollout] | None = None
+        self._busy: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+        self._waited = 0.0
+        self._t0: float | None = None
+        """Start of the step being measured: the first take, then the end of the last step_scalars."""
+
+    def start(self, step: int) -> None:
+        """Begin producing batch `step` in the background from the engine's weights as they are now."""
+        assert self._pending is None and self._ready is None, "one batch ahead at most"
+        self._pending = (step, self._pool.submit(self._run, step))
+
+    def _run(self, step: int) -> StepRollout:
+        torch.set_num_threads(self.threads)
+        t0 = time.perf_counter()
+        try:
+            return self.produce(step)
+        finally:
+            with self._lock:
+                self._busy.append((t0, time.perf_counter()))
+
+    def wait(self) -> None:
+        """The batch boundary: block until the batch in production is done (its error raised here)."""
+        if self._pending is None:
+            return
+        step, future = self._pending
+        self._pending = None
+        t0 = time.perf_counter()
+        try:
+            self._ready = (step, future.result())
+        finally:
+            self._waited += time.perf_counter() - t0
+
+    def take(self, step: int) -> StepRollout:
+        """Batch `step`: the one produced ahead (waited for), else produced now, in this thread."""
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+        self.wait()
+        if self._ready is not None:
+            ready, rollout = self._ready
+            self._ready = None
+            if ready != step:
+                raise RuntimeError(f"the pipeline holds batch {ready}, step {step} asked for its own")
+            return rollout
+        t0 = time.perf_counter()
+        try:
+            return self.produce(step)
+        finally:
+            self._waited += time.perf_counter() - t0
+            with self._lock:
+                self._busy.append((t0, time.perf_counter()))
+
+    def step_scalars(self) -> dict[str, float]:
+        """Since the last call: timing/actor_idle_s (the actor waited for the engine), timing/engine_idle_s
+        (nothing was being generated), timing/overlap_s (both were busy)."""
+        now = time.perf_counter()
+        if self._t0 is None:
+            self._t0 = now
+        with self._lock:
+            busy = sum(min(b, now) - max(a, self._t0) for a, b in self._busy if b > self._t0 and a < now)
+            self._busy = [(a, b) for a, b in self._busy if b > now]
+        running = self._pending is not None and not self._pending[1].done()
+        wall, waited = now - self._t0, self._waited
+        self._t0, self._waited = now, 0.0
+        return {"timing/actor_idle_s": waited, "timing/engine_idle_s": max(wall - busy, 0.0) if not running
+                else 0.0, "timing/overlap_s": max(busy - waited, 0.0)}
+
+    # --- checkpoints ------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict | None:
+        """The batch produced and not yet trained on (call at the boundary), as plain JSON."""
+        assert self._pending is None, "save at the batch boundary"
+        if self._ready is None:
+            return None
+        step, rollout = self._ready
+        return {"step": step, "rollout": rollout_state(rollout)}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self._ready = None if not state else (int(state["step"]), load_rollout(state["rollout"]))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def rollout_state(r: StepRollout) -> dict:
+    """A step's rollout as plain JSON (exact: floats by repr); a kept group that is one of `generated` as its
+    index there (the monitors tell kept from generated by identity)."""
+    index = {id(g): i for i, g in enumerate(r.generated)}
+    extra = {"kept": [index[id(g)] if id(g) in index else dataclasses.asdict(g) for g in r.groups]}
+    generated = [dataclasses.asdict(g) for g in r.generated]
+    out = {"kind": "stream" if isinstance(r, StreamRollout) else "rounds", "generated": generated, **extra,
+           "stats": dataclasses.asdict(r.stats), "reward_seconds": r.reward_seconds,
+           "generate_seconds": r.generate_seconds, "reward_failures": r.reward_failures}
+    if isinstance(r, StreamRollout):
+        out.update(stream=dataclasses.asdict(r.stream), carry=carry_state(r.carry))
+    return out
+
+
+def _group(d: dict) -> Group:
+    p = d["prompt"]
+    prompt = Prompt(**{**p, "messages": tuple(p["messages"])})
+    return Group(prompt, [Sample(**{**s, "versions": [tuple(v) for v in s["versions"]]}) for s in d["samples"]])
+
+
+def load_rollout(d: dict) -> StepRollout:
+    generated = [_group(g) for g in d["generated"]]
+    common = dict(groups=[generated[k] if isinstance(k, int) else _group(k) for k in d["kept"]], stats=DynamicSamplingStats(**d["stats"]),
+                  generated=generated, reward_seconds=d["reward_seconds"], generate_seconds=d["generate_seconds"],
+                  reward_failures=d["reward_failures"])
+    if d["kind"] == "stream":
+        return StreamRollout(**common, stream=StreamStats(**d["stream"]), carry=load_carry(d["carry"]))
+    return StepRollout(**common)

@@ -1,0 +1,243 @@
+"""Off-policy pipelining (`rollout.async_steps=1`, loop/pipeline.py): the fixed k=1 schedule, real overlap,
+the recorded policy versions, staleness dropping, the pending batch in checkpoints, exact resume, the
+config's refusals; the synchronous loop keeps its own (no staleness monitors, no correction by default)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from test_train import TAGS, kill_job_at, run_train, scalars, train_cmd
+
+from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats
+from megatron_dapo.config import Config, ConfigError, validate
+from megatron_dapo.loop.collect import StepRollout, stamp
+from megatron_dapo.loop.pipeline import RolloutPipeline, drop_stale, load_rollout, rollout_state, staleness_scalars
+from megatron_dapo.loop.stream import StreamRollout, StreamStats
+from megatron_dapo.rollout.base import GroupRequest, SamplingParams
+from megatron_dapo.types import Group, Prompt, Sample
+
+REPO = Path(__file__).resolve().parents[1]
+ASYNC = ["rollout.colocate=false", "rollout.async_steps=1"]
+
+
+def sample(n: int, version: int | None = None, reason: str = "stop") -> Sample:
+    s = Sample(prompt_ids=[1, 2], response_ids=list(range(3, 3 + n)), rollout_logprobs=[-0.5 - i / 7 for i in range(n)],
+               finish_reason=reason, response_text="Answer: 1", reward=1.0, acc=True, pred="1")
+    if version is not None:
+        s.versions = [(0, version)]
+    return s
+
+
+def group(uid: str, *versions: int) -> Group:
+    return Group(Prompt(uid, ({"role": "user", "content": uid},), "1"), [sample(2, v) for v in versions])
+
+
+# --- the schedule -------------------------------------------------------------------------------------------
+
+def test_k1_schedule_each_batch_comes_from_the_weights_after_the_step_before_last():
+    """The loop's order (take s, start s+1, train s, wait, sync s) on a pipeline whose batches record the
+    engine's weights when they were made: batch b is made from the weights after step max(b - 2, 0)."""
+    engine = {"version": 0}
+    made: dict[int, int] = {}
+    pipe = RolloutPipeline(threads=1)
+
+    def produce(step: int) -> StepRollout:
+        made[step] = engine["version"]
+        return StepRollout([], None)
+
+    pipe.produce = produce
+    for step in range(1, 6):
+        pipe.take(step)
+        if step < 5:
+            pipe.start(step + 1)
+        pipe.wait()  # the boundary, before the weights change
+        engine["version"] = step  # the step's sync
+    pipe.close()
+    assert made == {1: 0, 2: 0, 3: 1, 4: 2, 5: 3}
+
+
+def test_the_next_batch_is_made_while_this_step_trains():
+    """Proof of overlap without a clock: the producer waits for an event the main thread sets only while it
+    'trains'; a pipeline that produced in the main thread would never finish (the test would time out)."""
+    training = threading.Event()
+    pipe = RolloutPipeline(threads=1)
+
+    def produce(step: int) -> StepRollout:
+        if step == 2:
+            assert training.wait(timeout=30), "batch 2 was not produced while step 1 trained"
+        return StepRollout([], None)
+
+    pipe.produce = produce
+    pipe.take(1)
+    pipe.start(2)
+    training.set()  # step 1 "trains"
+    pipe.wait()
+    assert pipe.take(2) is not None
+    timings = pipe.step_scalars()
+    assert set(timings) == {"timing/actor_idle_s", "timing/engine_idle_s", "timing/overlap_s"}
+    assert all(v >= 0 for v in timings.values())
+    pipe.close()
+
+
+def test_a_producer_error_surfaces_at_the_boundary():
+    pipe = RolloutPipeline(threads=1)
+    pipe.produce = lambda step: (_ for _ in ()).throw(RuntimeError(f"engine died on batch {step}"))
+    pipe.start(2)
+    with pytest.raises(RuntimeError, match="engine died on batch 2"):
+        pipe.wait()
+    pipe.close()
+
+
+def test_asking_for_another_steps_batch_is_an_error():
+    pipe = RolloutPipeline(threads=1)
+    pipe.produce = lambda step: StepRollout([], None)
+    pipe.start(3)
+    with pytest.raises(RuntimeError, match="holds batch 3, step 2"):
+        pipe.take(2)
+    pipe.close()
+
+
+# --- versions, staleness ----------------------------------------------------------------------------------
+
+def test_a_continued_sample_keeps_its_earlier_versions():
+    """A sample carried in with 3 tokens of version 4 and continued to 5 tokens by version 6 has two spans;
+    a fresh one has one; a carried sample that made no new token keeps its spans."""
+    before = sample(3, 4)
+    grown, fresh, idle = sample(5), sample(2), sample(3)
+    stamp([grown], 6, (before,))
+    stamp([fresh], 6)
+    stamp([idle], 6, (before,))
+    assert grown.versions == [(0, 4), (3, 6)]
+    assert fresh.versions == [(0, 6)]
+    assert idle.versions == [(0, 4)]
+
+
+def test_groups_older_than_the_bound_are_dropped_and_counted():
+    """At step 7 the actor has made 6 updates; with async_steps=1 a group whose oldest token came from the
+    weights after step 4 (2 updates behind) is dropped, one from step 5 is trained (staleness 1)."""
+    fresh, old = group("a", 5, 5), group("b", 5, 4)
+    rollout = StepRollout([fresh, old], DynamicSamplingStats(1, 2, 2, 1.0, False), [fresh, old])
+    dropped = drop_stale(rollout, actor_version=6, max_staleness=1)
+    assert dropped == 1 and rollout.groups == [fresh]
+    assert staleness_scalars(rollout, 6, dropped) == {"rollout/staleness_mean": 1.0, "rollout/staleness_max": 1.0,
+                                                      "rollout/dropped_stale_groups": 1.0}
+
+
+# --- the pending batch in checkpoints ---------------------------------------------------------------------
+
+def test_a_pending_stream_batch_survives_json_exactly():
+    kept, other = group("a", 3, 3), group("b", 3, 3)
+    carried = sample(2, 3, reason="abort")
+    req = GroupRequest(key=0, prompt_ids=[1, 2], n=1, sampling=SamplingParams(max_new_tokens=8, seed=5),
+                       resume=(carried,), carried_steps=1)
+    r = StreamRollout(groups=[kept], stats=DynamicSamplingStats(1, 2, 1, 0.5, False), generated=[other, kept],
+                      reward_seconds=0.1, generate_seconds=1 / 3, reward_failures=1,
+                      stream=StreamStats(submitted=3, aborted_groups=1, first_kept_s=float("nan")),
+                      carry=[(Prompt("c", ({"role": "user", "content": "c"},), "2"), req)])
+    back = load_rollout(json.loads(json.dumps(rollout_state(r))))
+    assert isinstance(back, StreamRollout)
+    assert back.generated == r.generated and back.groups[0] is back.generated[1]
+    assert back.stats == r.stats and back.generate_seconds == r.generate_seconds
+    assert back.carry[0][1].resume[0].versions == [(0, 3)] and back.carry == r.carry
+    assert back.stream.submitted == 3 and back.stream.first_kept_s != back.stream.first_kept_s  # NaN kept
+
+
+def test_the_pipeline_saves_the_batch_it_holds():
+    pipe = RolloutPipeline(threads=1)
+    pipe.produce = lambda step: StepRollout([group("a", 0)], DynamicSamplingStats(1, 1, 1, 1.0, False),
+                                           [group("a", 0)])
+    pipe.start(2)
+    pipe.wait()
+    state = json.loads(json.dumps(pipe.state_dict()))
+    other = RolloutPipeline(threads=1)
+    other.load_state_dict(state)
+    assert other.take(2).generated[0].samples[0].versions == [(0, 0)]
+    pipe.close(), other.close()
+
+
+# --- config -------------------------------------------------------------------------------------------------
+
+def test_async_needs_its_own_devices_and_a_recomputed_pi_old():
+    cfg = Config()
+    cfg.rollout.async_steps = 1
+    with pytest.raises(ConfigError, match=r"async_steps=1 overlaps .* set rollout.colocate=false"):
+        validate(cfg)
+    cfg.rollout.colocate = False
+    validate(cfg)
+    cfg.algo.old_logprob_source = "rollout"
+    with pytest.raises(ConfigError, match=r"pi_old must be the actor's recompute"):
+        validate(cfg)
+
+
+def test_the_correction_follows_the_schedule_unless_set():
+    cfg = Config()
+    assert cfg.algo.rollout_correction == "auto" and cfg.rollout_correction() == "none"
+    cfg.rollout.async_steps, cfg.rollout.colocate = 1, False
+    assert cfg.rollout_correction() == "token_tis"
+    cfg.algo.rollout_correction = "seq_mis"
+    assert cfg.rollout_correction() == "seq_mis"
+
+
+# --- the loop end to end (embedded engine) ----------------------------------------------------------------
+
+def test_an_async_run_trains_one_version_behind_with_the_correction(base_dir, tmp_path, python_env):
+    r = run_train(train_cmd(base_dir, tmp_path, "async", "train.steps=3", "checkpoint.save_every=0", *ASYNC),
+                  python_env)
+    assert "off-policy pipelining, rollout.async_steps=1" in r.stderr and "rollout correction token_tis" in r.stderr
+    tb = scalars(tmp_path / "tb" / "async")
+    assert tb["rollout/staleness_mean"] == {1: 0.0, 2: 1.0, 3: 1.0}
+    assert tb["rollout/staleness_max"] == {1: 0.0, 2: 1.0, 3: 1.0}
+    assert tb["rollout/dropped_stale_groups"] == {1: 0.0, 2: 0.0, 3: 0.0}
+    assert abs(tb["rollout_corr/weight_mean"][1] - 1.0) < 1e-6  # batch 1 is on-policy
+    assert tb["rollout_corr/kl_k3"][3] > 0  # later batches come from older weights
+    for tag in ("timing/overlap_s", "timing/actor_idle_s", "timing/engine_idle_s"):
+        assert set(tb[tag]) == {1, 2, 3}
+
+
+def test_a_synchronous_run_has_no_staleness_and_no_correction(base_dir, tmp_path, python_env):
+    r = run_train(train_cmd(base_dir, tmp_path, "sync", "train.steps=1", "checkpoint.save_every=0",
+                            "rollout.colocate=false"), python_env)
+    assert "rollout schedule: synchronous" in r.stderr and "rollout correction none" in r.stderr
+    tb = scalars(tmp_path / "tb" / "sync")
+    assert not [t for t in tb if t.startswith(("rollout/staleness", "rollout_corr/", "timing/overlap"))]
+
+
+def test_a_killed_async_run_resumes_exactly(base_dir, tmp_path, python_env):
+    """SIGKILL after the step-2 checkpoint (which holds batch 3, made from the weights after step 1), then
+    resume=auto: steps 3 and 4 write what the uninterrupted run wrote."""
+    steps = ["train.steps=4", "checkpoint.save_every=1", "eval.every_steps=0", *ASYNC]
+    run_train(train_cmd(base_dir, tmp_path, "straight", *steps), python_env)
+    marker = tmp_path / "ckpt" / "killed" / "step_00000002" / "COMPLETE"
+    kill_job_at(train_cmd(base_dir, tmp_path, "killed", *steps), python_env, marker)
+    assert marker.exists(), "the run never reached its step-2 checkpoint"
+    saved = json.loads((marker.parent / "trainer_state.json").read_text())["trainer"]["pending"]
+    assert saved["step"] == 3
+    run_train(train_cmd(base_dir, tmp_path, "killed", *steps, "checkpoint.resume=auto"), python_env)
+    a, b = scalars(tmp_path / "tb" / "straight"), scalars(tmp_path / "tb" / "killed")
+    for tag in [*TAGS, "rollout/staleness_mean", "rollout_corr/weight_mean", "rollout_corr/kl_k3"]:
+        if tag.startswith(("timing/", "perf/", "val/")):
+            continue
+        for step in (3, 4):
+            assert a[tag][step] == b[tag][step], (tag, step, a[tag][step], b[tag][step])
+
+
+
+def test_bench_async_reports_the_ratio_beside_the_overlap_limit():
+    """tools/bench_async.py's arithmetic: generation 3 s + training 1 s a step cannot overlap below 3/4."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_async import compare
+
+    sync = {"timing/rollout_s": [2.5, 2.5], "timing/reward_s": [0.5, 0.5], "timing/step_s": [4.0, 4.0],
+            "perf/tokens_per_s": [10.0, 10.0]}
+    pipe = {"timing/step_s": [3.2, 3.4], "timing/actor_idle_s": [2.0, 2.2], "timing/engine_idle_s": [0.1, 0.1],
+            "timing/overlap_s": [1.0, 1.0], "perf/tokens_per_s": [12.0, 12.0]}
+    row = compare("tiny", "embedded", sync, pipe)
+    assert row["limit"] == 0.75 and abs(row["ratio"] - 3.3 / 4.0) < 1e-12
+    assert (row["sync_generate_s"], row["sync_train_s"], row["async_actor_idle_s"]) == (3.0, 1.0, 2.1)
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

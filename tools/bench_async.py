@@ -1,0 +1,114 @@
+"""Off-policy pipelining measured: the same DAPO work synchronous (engine on its own devices, no overlap) and
+with `rollout.async_steps=1`, wall per step, each side's idle time and tokens/s, beside the limit.
+
+Both runs are `python -m megatron_dapo.train` on the same base, prompts, groups and updates (seeded), with
+`rollout.colocate=false`, in one session; torch gets --threads threads: the synchronous run uses all of them
+for whichever phase runs, the pipelined one gives half to the engine's producer thread and half to the actor.
+Steps after the first are compared (the first has nothing to overlap with). The limit of overlapping two
+phases of times g (generation + reward) and t (the rest of the step) is max(g, t) / (g + t), from the
+synchronous run's own phase times.
+
+    python tools/bench_async.py --json                      # the tiny base, then the steps base, embedded
+    python tools/bench_async.py --bases tiny --engines sglang --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BASES = {
+    # base -> (how to build it, the config, overrides that size the work)
+    "tiny": ("megatron_dapo.tiny:ensure_tiny_base", "examples/configs/tiny_cpu.yaml",
+             ["train.prompt_batch_size=16", "train.mini_batch_size=8", "algo.group_size=8"]),
+    "steps": ("megatron_dapo.tiny.steps_base:ensure_steps_base", "examples/configs/study_dapo_small.yaml",
+              ["train.prompt_batch_size=16", "train.mini_batch_size=8", "algo.group_size=8"]),
+}
+COMMON = ["eval.every_steps=0", "checkpoint.save_every=0", "checkpoint.export_hf=false", "rollout.colocate=false",
+          "train.rollout_budget=0", "logging.samples_every=0", "rollout.weight_sync_probe=false"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--bases", nargs="+", default=["tiny", "steps"], choices=list(BASES))
+    p.add_argument("--engines", nargs="+", default=["embedded"], choices=["embedded", "sglang"])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the trainer process (this machine: 2)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    return p
+
+
+def build_base(name: str, root: Path) -> Path:
+    module, _, func = BASES[name][0].partition(":")
+    code = f"from {module} import {func}; print({func}({str(root / name)!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def run(base: Path, name: str, engine: str, async_steps: int, steps: int, threads: int, root: Path) -> dict:
+    """One training run; its per-step scalars (TensorBoard), steps 2.. ."""
+    from megatron_dapo.metrics import read_scalars
+
+    run_name = f"{name}_{engine}_async{async_steps}"
+    cmd = [sys.executable, "-m", "megatron_dapo.train", "--config", str(REPO / BASES[name][1]),
+           f"model.hf_dir={base}", f"checkpoint.dir={root / 'ckpt'}", f"logging.tensorboard_dir={root / 'tb'}",
+           f"logging.run_name={run_name}", f"train.steps={steps}", f"rollout.engine={engine}",
+           f"rollout.async_steps={async_steps}", *COMMON, *BASES[name][2]]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if r.returncode:
+        raise RuntimeError(f"{run_name} failed:\n{r.stderr[-4000:]}")
+    tb = read_scalars(root / "tb" / run_name)
+    return {tag: [v for step, v in sorted(values.items()) if step >= 2] for tag, values in tb.items()}
+
+
+def median(tb: dict, tag: str) -> float:
+    return statistics.median(tb[tag]) if tb.get(tag) else 0.0
+
+
+def compare(name: str, engine: str, sync: dict, pipe: dict) -> dict:
+    gen = median(sync, "timing/rollout_s") + median(sync, "timing/reward_s")
+    wall_sync, wall_async = median(sync, "timing/step_s"), median(pipe, "timing/step_s")
+    train = max(wall_sync - gen, 0.0)
+    return {"base": name, "engine": engine, "sync_step_s": wall_sync, "async_step_s": wall_async,
+            "ratio": wall_async / wall_sync if wall_sync else float("nan"),
+            "limit": max(gen, train) / (gen + train) if gen + train else float("nan"),
+            "sync_generate_s": gen, "sync_train_s": train,
+            "sync_actor_idle_s": gen, "sync_engine_idle_s": train,
+            "async_actor_idle_s": median(pipe, "timing/actor_idle_s"),
+            "async_engine_idle_s": median(pipe, "timing/engine_idle_s"),
+            "async_overlap_s": median(pipe, "timing/overlap_s"),
+            "sync_tokens_per_s": median(sync, "perf/tokens_per_s"),
+            "async_tokens_per_s": median(pipe, "perf/tokens_per_s")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
+        root = Path(tmp)
+        for name in args.bases:
+            base = build_base(name, root)
+            for engine in args.engines:
+                sync = run(base, name, engine, 0, args.steps, args.threads, root)
+                pipe = run(base, name, engine, 1, args.steps, args.threads, root)
+                row = compare(name, engine, sync, pipe)
+                if args.json:
+                    print(json.dumps(row), flush=True)
+                else:
+                    print(f"{name:6s} {engine:9s} sync {row['sync_step_s']:.2f} s/step (generate "
+                          f"{row['sync_generate_s']:.2f} + train {row['sync_train_s']:.2f}), async "
+                          f"{row['async_step_s']:.2f} s/step: x{row['ratio']:.2f} (limit x{row['limit']:.2f}); "
+                          f"idle actor {row['async_actor_idle_s']:.2f} s, engine {row['async_engine_idle_s']:.2f} s; "
+                          f"tokens/s {row['sync_tokens_per_s']:.0f} -> {row['async_tokens_per_s']:.0f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
