@@ -125,7 +125,7 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
         return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, 0, None)}
     run.phases.train()
     with timer("old_logprob"):
-        batch.old_logprobs, entropy = old_logprobs(run.actor, batch, cfg.algo)
+        batch.old_logprobs, entropy = old_logprobs(run.actor, batch, run.old_logprobs)
     out.update(apply_rollout_correction(batch, cfg.algo))
     with timer("update"):
         try:

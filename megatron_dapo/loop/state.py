@@ -24,6 +24,7 @@ from megatron_dapo.data.render import default_system_prompt, use_chat_template
 from megatron_dapo.hf_files import HFCheckpointError
 from megatron_dapo.loop import run_dir
 from megatron_dapo.loop.evaluation import sample_records
+from megatron_dapo.loop.old_policy import OldLogprobSource, resolve_old_logprob_source
 from megatron_dapo.loop.phases import Phases
 from megatron_dapo.loop.preflight import SetupError, check_model, checkpoint_bytes
 from megatron_dapo.loop.prompts import load_train_prompts, load_val_prompts
@@ -60,6 +61,8 @@ class RunState:
     hf_dir: str
     scorer: Scorer
     """reward.name's verifier + the overlong term, built once (the driver scores)."""
+    old_logprobs: OldLogprobSource
+    """Where pi_old comes from (algo.old_logprob_source, auto resolved at start-up)."""
     start_step: int = 0
     samples_generated: int = 0
     carry: list = field(default_factory=list)
@@ -250,10 +253,13 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
     report.actor_bytes_at_engine_start = sum(actor.device_bytes().values())
     servers = _start_sglang(cfg, hf_dir) if cfg.rollout.engine == "sglang" else None
     if servers is not None:
-        engine = servers.engine
+        engine, shared = servers.engine, False
         report.engine = f"sglang ({len(servers.owned)} server(s) started by this rank)"
-    else:
-        engine = _embedded_engine(actor, cfg.model, report, offloads) if driver else None
+    else:  # the weights are shared in a one-process job only: every rank resolves pi_old alike
+        engine, shared = _embedded_engine(actor, cfg.model, report, offloads) if driver else (None, False)
+    old = resolve_old_logprob_source(cfg.algo, cfg.rollout, engine_on_actor_weights=shared,
+                                     dtype=param_dtype(cfg.model))
+    report.old_logprobs = old.line()
     return RunState(
         cfg=cfg, actor=actor, tokenizer=tokenizer, engine=engine,
         phases=Phases(actor, engine, cfg.rollout.colocate, cfg.actor.offload_when_idle,
@@ -265,7 +271,8 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
         writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver,
                              wandb=cfg.logging.wandb, run_config=to_dict(cfg)),
         alarms=Alarms(cfg.logging, cfg.rollout.max_response_len),
-        ckpt_root=folder, hf_dir=hf_dir, scorer=scorer, servers=servers.owned if servers is not None else [],
+        ckpt_root=folder, hf_dir=hf_dir, scorer=scorer, old_logprobs=old,
+        servers=servers.owned if servers is not None else [],
         lock=lock)
 
 
@@ -285,9 +292,9 @@ def _start_sglang(cfg: Config, hf_dir: str):
 
 
 def _embedded_engine(actor: Actor, model_cfg: ModelConfig, report: StartupReport,
-                     offloads_weights: bool) -> RolloutEngine:
+                     offloads_weights: bool) -> tuple[RolloutEngine, bool]:
     """On the actor's own weights when they can be shared (shared_weights.py) and stay in place while the
-    engine generates, else from hf_dir."""
+    engine generates, else from hf_dir; and whether it is on the actor's weights."""
     from megatron_dapo.loop.shared_weights import can_share, model_on_actor_weights
     from megatron_dapo.rollout.embedded import EmbeddedEngine
 
@@ -295,12 +302,12 @@ def _embedded_engine(actor: Actor, model_cfg: ModelConfig, report: StartupReport
     own = f"its own {str(dtype).removeprefix('torch.')} copy of the weights (from {hf_dir}"
     if not can_share(actor, dtype):
         report.engine = f"embedded, {own})"
-        return EmbeddedEngine(hf_dir, device=parallel.device(), dtype=dtype)
+        return EmbeddedEngine(hf_dir, device=parallel.device(), dtype=dtype), False
     if offloads_weights:  # the actor's weights leave memory while the engine generates: no aliasing
         report.engine = (f"embedded, {own}; the actor offloads while it generates: actor.offload_when_idle=false "
                          "shares the actor's weights)")
-        return EmbeddedEngine(hf_dir, device=parallel.device(), dtype=dtype)
+        return EmbeddedEngine(hf_dir, device=parallel.device(), dtype=dtype), False
     model, shared = model_on_actor_weights(actor, hf_dir)
     total = sum(p.numel() for p in model.parameters())
     report.engine = f"embedded, on the actor's weights ({shared / 1e6:.2f}M of {total / 1e6:.2f}M parameters shared)"
-    return EmbeddedEngine(model, device=parallel.device(), dtype=dtype, borrowed=actor.module.parameters())
+    return EmbeddedEngine(model, device=parallel.device(), dtype=dtype, borrowed=actor.module.parameters()), True
