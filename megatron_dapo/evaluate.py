@@ -42,8 +42,9 @@ from megatron_dapo.config.loading import read_yaml
 PROG = "evaluate"
 CPU_DEFAULTS = {"eval.n_samples": 4, "eval.max_prompts": 32, "rollout.max_response_len": 256}
 """--n, --max-prompts, --max-response-len on a CPU when neither the flag nor --config / an override sets
-them. A 135M model's 128 responses of up to 256 tokens take minutes on 2 cores (measured on a loaded machine:
-78 s for 32 prompts x 4 x 48 tokens, every one to the limit); the paper's 32 x 20480 per prompt take days."""
+them: minutes for a 135M model on 2 cores (on a loaded machine, a random-weight model of SmolLM2-135M's
+shape took 78 s for 32 prompts x 4 x 48 tokens, every response to the limit), where the paper's 32 samples of
+up to 20480 tokens per prompt take days."""
 
 
 def build_parser() -> argparse.ArgumentParser:
