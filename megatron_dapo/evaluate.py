@@ -6,6 +6,10 @@ validation runs, loop/evaluation.py).
         [--max-prompts 100] [--max-response-len 1024] [--engine embedded|sglang] [--out results.jsonl] \\
         [--config run.yaml] [section.key=value ...]
 
+--n, --max-prompts, --max-response-len: the flag, else --config / an override (eval.n_samples,
+eval.max_prompts, rollout.max_response_len), else on a CPU an evaluation sized to finish in minutes
+(CPU_DEFAULTS), on a GPU the config's defaults (the paper's 32 samples of every prompt).
+
 --model: a Hugging Face folder, or a Megatron checkpoint (a step_<N>/ folder, or a run folder of them:
 the newest complete one), converted in this process to a temporary HF folder first.
 --data: a dataset path or builtin:... spec, as data.val_path.
@@ -13,7 +17,8 @@ Everything else that shapes a prompt or a score comes from --config and override
 data.prompt_template / system_prompt / few_shot_path, model.chat_template, reward.name /
 answer_fallback; flags win over the config. Rewards are the verifier's score (no overlong term).
 
-Output: a progress bar (stderr), one JSON record per prompt in --out (default
+Output: a progress bar (stderr) that advances as each prompt's k samples finish (the engine streams
+them), with generated tokens per second; one JSON record per prompt in --out (default
 runs/eval/<model>.jsonl), and ONE JSON summary line on stdout. Exit 2 on bad input.
 """
 
@@ -26,13 +31,20 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from megatron_dapo.cli import UserError, quiet_third_party, run_cli
 from megatron_dapo.config import Config, ConfigError, load_config
+from megatron_dapo.config.loading import read_yaml
 
 PROG = "evaluate"
+CPU_DEFAULTS = {"eval.n_samples": 4, "eval.max_prompts": 32, "rollout.max_response_len": 256}
+"""--n, --max-prompts, --max-response-len on a CPU when neither the flag nor --config / an override sets
+them: minutes for a 135M model on 2 cores (on a loaded machine, a random-weight model of SmolLM2-135M's
+shape took 78 s for 32 prompts x 4 x 48 tokens, every response to the limit), where the paper's 32 samples of
+up to 20480 tokens per prompt take days."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,31 +52,77 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, type=Path, help="HF folder or Megatron checkpoint (folder)")
     p.add_argument("--data", required=True, help="dataset file or builtin:... spec")
-    p.add_argument("--n", type=int, help="samples per prompt, k of avg@k (default eval.n_samples: 32)")
+    gpu = Config()
+
+    def default(key: str, on_gpu: Any) -> str:
+        return f"(default: {key} if --config or an override sets it, else {CPU_DEFAULTS[key]} on CPU, " \
+               f"{on_gpu} on GPU)"
+
+    p.add_argument("--n", type=int, help="samples per prompt, k of avg@k "
+                   + default("eval.n_samples", gpu.eval.n_samples))
     p.add_argument("--temperature", type=float, help="default eval.temperature (1.0)")
     p.add_argument("--top-p", type=float, help="default eval.top_p (0.7)")
-    p.add_argument("--max-prompts", type=int, help="evaluate the first N prompts only")
-    p.add_argument("--max-response-len", type=int, help="default rollout.max_response_len")
+    p.add_argument("--max-prompts", type=int, help="evaluate the first N prompts only "
+                   + default("eval.max_prompts", gpu.eval.max_prompts or "all"))
+    p.add_argument("--max-response-len", type=int, help="response token limit "
+                   + default("rollout.max_response_len", gpu.rollout.max_response_len))
     p.add_argument("--engine", choices=("embedded", "sglang"), help="default rollout.engine (embedded)")
     p.add_argument("--seed", type=int, help="sampling seed (default train.seed)")
-    p.add_argument("--chunk", type=int, default=16, help="prompts per generation call (progress granularity)")
     p.add_argument("--out", type=Path, help="per-prompt jsonl (default runs/eval/<model>.jsonl)")
     p.add_argument("--config", help="YAML config whose data / model / reward / eval settings apply")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.prompt_template=dapo_math")
     return p
 
 
-def resolve_config(args: argparse.Namespace) -> Config:
-    """--config + overrides, then the flags; the overlong term is off (evaluation scores answers)."""
+def resolve_config(args: argparse.Namespace, *, on_gpu: bool | None = None) -> Config:
+    """CPU_DEFAULTS (on a CPU), then --config + overrides, then the flags; the overlong term is off
+    (evaluation scores answers). `on_gpu`: None = whether CUDA is available."""
     flags = {"eval.n_samples": args.n, "eval.temperature": args.temperature, "eval.top_p": args.top_p,
              "eval.max_prompts": args.max_prompts, "rollout.max_response_len": args.max_response_len,
              "rollout.engine": args.engine, "train.seed": args.seed}
     overrides = [*args.overrides, "reward.soft_overlong_punishment=false", f"data.val_path={args.data}",
                  *(f"{k}={v}" for k, v in flags.items() if v is not None)]
     try:
-        return load_config(args.config, overrides)
+        sized = cpu_sized(args.config, overrides, on_gpu)
+        return load_config(args.config, [*(f"{k}={v}" for k, v in sized.items()), *overrides])
     except ConfigError as e:
         raise UserError(str(e)) from e
+
+
+def cpu_sized(config: str | None, overrides: list[str], on_gpu: bool | None = None) -> dict[str, int]:
+    """The CPU_DEFAULTS that apply: none on a GPU, else those that neither `config` nor `overrides` set."""
+    if on_gpu is None:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        return {}
+    given = set()
+    if config is not None and Path(config).is_file():  # (a missing file: load_config says so)
+        given = _dotted_keys(read_yaml(Path(config)) or {})
+    given |= {o.split("=", 1)[0].strip() for o in overrides}
+    return {k: v for k, v in CPU_DEFAULTS.items() if k not in given}
+
+
+def _dotted_keys(tree: Any, prefix: str = "") -> set[str]:
+    if not isinstance(tree, dict):
+        return {prefix[:-1]} if prefix else set()
+    return {k for name, sub in tree.items() for k in _dotted_keys(sub, f"{prefix}{name}.")}
+
+
+@dataclass
+class GroupProgress:
+    """The progress callback: one step of `bar` per finished prompt, generated tokens per second beside it."""
+
+    bar: Any
+    start: float = field(default_factory=time.perf_counter)
+    tokens: int = 0
+
+    def __call__(self, group: Any) -> None:
+        self.tokens += sum(s.response_len for s in group.samples)
+        elapsed = time.perf_counter() - self.start
+        self.bar.set_postfix_str(f"{self.tokens / elapsed:.0f} tok/s" if elapsed > 0 else "", refresh=False)
+        self.bar.update(1)
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -133,7 +191,7 @@ def load_eval_prompts(cfg: Config) -> list[Any]:
     return loaded.prompts
 
 
-def run(cfg: Config, hf_dir: Path, chunk: int) -> Any:
+def run(cfg: Config, hf_dir: Path) -> Any:
     """Generate and score with a progress bar; returns the EvalResult."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -150,12 +208,14 @@ def run(cfg: Config, hf_dir: Path, chunk: int) -> Any:
     prompts = load_eval_prompts(cfg)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     print(f"{PROG}: chat template: {use_chat_template(tokenizer, cfg.model.chat_template)}", file=sys.stderr)
+    print(f"{PROG}: {len(prompts)} prompts x {cfg.eval.n_samples} samples, responses up to "
+          f"{cfg.rollout.max_response_len} tokens", file=sys.stderr)
     eos = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
     t0 = time.perf_counter()
     with open_engine(cfg, hf_dir) as engine, tqdm(total=len(prompts), desc="evaluate", unit="prompt",
-                                                  file=sys.stderr, dynamic_ncols=True) as bar:
-        groups = generate_and_score(engine, tokenizer, prompts, cfg.eval.n_samples, eval_sampling(cfg, eos), scorer,
-                                    chunk=chunk, on_chunk=bar.update)
+                                                  file=sys.stderr, dynamic_ncols=True, mininterval=0) as bar:
+        groups = generate_and_score(engine, tokenizer, prompts, cfg.eval.n_samples,
+                                    lambda i: eval_sampling(cfg, eos, i), scorer, on_group=GroupProgress(bar))
     return EvalResult(groups, cfg.eval.n_samples, seconds=time.perf_counter() - t0)
 
 
@@ -165,12 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve_config(args)
     out = args.out or Path("runs") / "eval" / f"{args.model.resolve().name}.jsonl"
     with hf_model(args.model) as hf_dir:
-        result = run(cfg, hf_dir, args.chunk)
+        result = run(cfg, hf_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:
         f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in result.prompt_records())
     summary = {"model": str(args.model), "data": cfg.data.val_path, "n": cfg.eval.n_samples,
-               "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p, **result.summary(),
+               "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
+               "max_response_len": cfg.rollout.max_response_len, **result.summary(),
                "seconds": round(result.seconds, 3), "per_prompt": str(out)}
     print(json.dumps(summary), flush=True)
     return 0

@@ -139,7 +139,7 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
                 **(pipeline.step_scalars() if pipeline is not None else {})}
     run.phases.train()
     with timer("old_logprob"):
-        batch.old_logprobs, entropy = old_logprobs(run.actor, batch, cfg.algo)
+        batch.old_logprobs, entropy = old_logprobs(run.actor, batch, run.old_logprobs)
     out.update(apply_rollout_correction(batch, cfg.algo, cfg.rollout_correction()))
     with timer("update"):
         try:

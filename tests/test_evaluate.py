@@ -1,6 +1,8 @@
 """Evaluation (issue 12, item 4): pass@k against enumerating every subset, maj@k by hand, and
 `python -m megatron_dapo.evaluate` on an HF folder and on a Megatron checkpoint, equal to the trainer's
-own validation (the same code) and to each other; sampled responses land in samples/step_<k>.jsonl."""
+own validation (the same code) and to each other; sampled responses land in samples/step_<k>.jsonl.
+Issue 28, item 4: the progress bar moves as each prompt's samples finish (streamed), with tokens/s, and
+--n / --max-prompts / --max-response-len size the evaluation, with CPU-sized defaults."""
 
 import itertools
 import json
@@ -117,8 +119,7 @@ def test_cli_equals_the_trainers_validation(base_dir, trained, tmp_path, python_
 
     root, _ = trained
     tb = scalars(root / "tb" / "ev")
-    # --chunk 0: every prompt in one engine call, as the trainer's validation does, so the samples match
-    summary, rows = evaluate_cli(base_dir, tmp_path / "base.jsonl", python_env_module, "--chunk", "0")
+    summary, rows = evaluate_cli(base_dir, tmp_path / "base.jsonl", python_env_module)
     assert summary["prompts"] == 12 and summary["samples"] == 48
     assert math.isclose(summary["avg@4"], tb["val/acc_avg_at_k"][0], abs_tol=1e-6)
     assert math.isclose(summary["pass@4"], tb["val/pass_at_k"][0], abs_tol=1e-6)
@@ -155,6 +156,80 @@ def test_samples_are_written_for_people_to_read(trained):
     ea = EventAccumulator(str(root / "tb" / "ev"), size_guidance={"tensors": 0})
     ea.Reload()
     assert {"samples/train/text_summary", "samples/val/text_summary"} <= set(ea.Tags()["tensors"])
+
+
+def test_progress_advances_group_by_group_as_they_finish(base_dir):
+    """Issue 28, item 4: the callback sees every prompt once, as soon as its k samples are done: all rows run
+    at once here, so a group finishes with its longest sample and the callbacks come shortest first, the
+    first long before the last. The result is in prompt order, and seeded per prompt."""
+    from transformers import AutoTokenizer
+
+    from megatron_dapo.config import RewardConfig
+    from megatron_dapo.data import load_prompts
+    from megatron_dapo.loop.evaluation import generate_and_score
+    from megatron_dapo.reward import Scorer
+    from megatron_dapo.rollout.base import SamplingParams
+    from megatron_dapo.rollout.embedded import EmbeddedEngine
+
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    prompts = load_prompts(VAL).prompts
+    scorer = Scorer(RewardConfig(soft_overlong_punishment=False), max_response_len=24)
+    seen = []
+
+    def sampling(i):
+        return SamplingParams(max_new_tokens=24, stop_token_ids=(tok.eos_token_id,), seed=1000 + i)
+
+    def record(g):
+        seen.append((g.prompt.uid, max(s.response_len for s in g.samples),
+                     all(s.response_text is not None for s in g.samples)))
+
+    with EmbeddedEngine(base_dir) as engine:
+        groups = generate_and_score(engine, tok, prompts, 4, sampling, scorer, on_group=record)
+        again = generate_and_score(engine, tok, prompts[::-1], 4, lambda i: sampling(len(prompts) - 1 - i),
+                                   scorer)
+    assert [g.prompt.uid for g in groups] == [p.uid for p in prompts]
+    assert sorted(uid for uid, _, _ in seen) == sorted(p.uid for p in prompts)  # once each
+    longest = [n for _, n, _ in seen]
+    assert longest == sorted(longest) and longest[0] < longest[-1], longest
+    assert all(scored for _, _, scored in seen)  # scored before it is reported
+    assert [[s.response_ids for s in g.samples] for g in again[::-1]] == [[s.response_ids for s in g.samples]
+                                                                           for g in groups]
+
+
+def test_cli_flags_size_the_evaluation_and_the_bar_moves_per_prompt(base_dir, tmp_path, python_env_module):
+    out = tmp_path / "small.jsonl"
+    flags = ["--n", "2", "--max-prompts", "5", "--max-response-len", "8"]
+    r = subprocess.run([sys.executable, "-m", "megatron_dapo.evaluate", "--model", str(base_dir), "--data", VAL,
+                        *flags, "--out", str(out), REWARD], capture_output=True, text=True, env=python_env_module,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-6000:]
+    summary = json.loads(r.stdout)
+    assert (summary["prompts"], summary["samples"], summary["n"], summary["max_response_len"]) == (5, 10, 2, 8)
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 5 and all(len(row["responses"]) == 2 for row in rows)
+    assert max(x["length"] for row in rows for x in row["responses"]) <= 8
+    assert "5 prompts x 2 samples, responses up to 8 tokens" in r.stderr
+    bar = r.stderr.replace("\r", "\n").splitlines()
+    for k in range(1, 6):
+        assert any(f"| {k}/5 [" in line and "tok/s]" in line for line in bar), (k, bar)
+
+
+def test_cpu_defaults_apply_where_nothing_sizes_the_evaluation():
+    from megatron_dapo.evaluate import CPU_DEFAULTS, build_parser, resolve_config
+
+    def sized(*argv, on_gpu=False):
+        cfg = resolve_config(build_parser().parse_intermixed_args(["--model", "m", "--data", VAL, *argv]),
+                             on_gpu=on_gpu)
+        return cfg.eval.n_samples, cfg.eval.max_prompts, cfg.rollout.max_response_len
+
+    assert sized() == (4, 32, 256) == tuple(CPU_DEFAULTS.values())
+    assert sized(on_gpu=True) == (32, None, 20480)  # the paper's, from the config
+    assert sized("--config", str(REPO / "examples/configs/tiny_cpu.yaml")) == (4, 256, 24)  # the config's own
+    assert sized("eval.n_samples=8", "rollout.max_response_len=64") == (8, 32, 64)
+    assert sized("--n", "2", "--max-prompts", "5", "--max-response-len", "8", "eval.n_samples=8") == (2, 5, 8)
+    help_text = " ".join(build_parser().format_help().split())
+    assert "else 4 on CPU, 32 on GPU" in help_text and "else 256 on CPU, 20480 on GPU" in help_text
+    assert "else 32 on CPU, all on GPU" in help_text
 
 
 def test_cli_bad_input_is_one_line(tmp_path, python_env_module):

@@ -239,9 +239,12 @@ class AlgoConfig:
     clip_ratio_c: float | None = knob(None, "(1, inf)", "or null for no dual-clip")
     """Dual-clip bound c > 1: for negative advantages the token loss is capped at -c * A (verl's
     clip_ratio_c; its DAPO recipe uses 10). None = off, the paper's eq. 10."""
-    old_logprob_source: Literal["recompute", "rollout"] = "recompute"
+    old_logprob_source: Literal["recompute", "rollout", "auto"] = "recompute"
     """pi_old of the ratio: recompute = a forward pass of the trainer before the updates; rollout = the
-    engine's sampling logprobs (skips that pass; the train-inference mismatch then enters the ratio)."""
+    engine's sampling logprobs (skips that pass; the train-inference mismatch then enters the ratio);
+    auto = rollout where the engine computes the actor's own function (the embedded engine on the actor's
+    float32 parameters, no rollout correction, no partial rollout: equal to a recompute up to float
+    rounding), else recompute; start-up says which and why (loop/old_policy.py)."""
     rollout_correction: Literal["auto", "none", "token_tis", "seq_tis", "token_mis", "seq_mis"] = "auto"
     """Importance weights for the train-inference mismatch, w from pi_old / pi_rollout
     (algo/rollout_correction.py): token_tis / seq_tis truncate the token / sequence ratio at the

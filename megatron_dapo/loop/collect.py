@@ -64,11 +64,12 @@ def step_sampling(cfg: Config, step: int, round_idx: int, eos_ids: tuple[int, ..
                           seed=seed_of(cfg.train.seed, "train", step, round_idx))
 
 
-def eval_sampling(cfg: Config, eos_ids: tuple[int, ...]) -> SamplingParams:
-    """Validation sampling (eval temperature / top-p), the same seed at every evaluation."""
+def eval_sampling(cfg: Config, eos_ids: tuple[int, ...], prompt: int) -> SamplingParams:
+    """Validation sampling (eval temperature / top-p) of validation prompt `prompt`: its seed is a pure
+    function of (train.seed, prompt), the same at every evaluation."""
     e = cfg.eval
     return SamplingParams(temperature=e.temperature, top_p=e.top_p, max_new_tokens=cfg.rollout.max_response_len,
-                          stop_token_ids=eos_ids, seed=seed_of(cfg.train.seed, "eval"))
+                          stop_token_ids=eos_ids, seed=seed_of(cfg.train.seed, "eval", prompt))
 
 
 def collect_step(engine: RolloutEngine, tokenizer, next_prompts: Callable[[int], list[Prompt]], *,
@@ -103,5 +104,6 @@ def evaluate(engine: RolloutEngine, tokenizer, prompts: list[Prompt], cfg: Confi
              scorer: Scorer) -> EvalResult:
     """k = eval.n_samples scored samples per validation prompt (eval temperature / top-p)."""
     t0 = time.perf_counter()
-    groups = generate_and_score(engine, tokenizer, prompts, cfg.eval.n_samples, eval_sampling(cfg, eos_ids), scorer)
+    groups = generate_and_score(engine, tokenizer, prompts, cfg.eval.n_samples,
+                                lambda i: eval_sampling(cfg, eos_ids, i), scorer)
     return EvalResult(groups, cfg.eval.n_samples, seconds=time.perf_counter() - t0)

@@ -1,7 +1,10 @@
 """Evaluation with k samples per prompt: avg@k, pass@k and maj@k, one JSON record per prompt.
 
 The in-training validation (`collect.evaluate`) and `python -m megatron_dapo.evaluate` both run
-`generate_and_score` + `EvalResult`, so a number from one means the same as from the other.
+`generate_and_score` + `EvalResult`, so a number from one means the same as from the other. Generation
+streams (the engine's `RolloutStream`: continuous batching on the embedded engine, one request per group
+on SGLang): every group is scored as soon as its k samples are done and reported to a progress callback.
+Prompt i draws from its own seed, so its samples do not depend on what finishes first.
 
 - avg@k: mean accuracy over all k samples of all prompts (the paper's avg@32).
 - pass@j: chance that at least one of j samples drawn without replacement from a prompt's k is
@@ -21,7 +24,7 @@ from typing import Any
 
 from megatron_dapo.data.render import decode_response, render_prompt_ids
 from megatron_dapo.reward.scorer import Scorer
-from megatron_dapo.rollout.base import RolloutEngine, SamplingParams
+from megatron_dapo.rollout.base import GroupRequest, RolloutEngine, SamplingParams
 from megatron_dapo.types import Group, Prompt, Sample
 
 
@@ -62,20 +65,24 @@ def generate_groups(engine: RolloutEngine, tokenizer: Any, prompts: Sequence[Pro
 
 
 def generate_and_score(engine: RolloutEngine, tokenizer: Any, prompts: Sequence[Prompt], n: int,
-                       sampling: SamplingParams, scorer: Scorer, *, chunk: int = 0,
-                       on_chunk: Callable[[int], None] | None = None) -> list[Group]:
-    """n scored samples per prompt; `chunk` > 0 generates that many prompts per engine call and reports
-    each finished chunk's size to `on_chunk` (a progress bar)."""
-    size = chunk if chunk > 0 else max(len(prompts), 1)
-    groups: list[Group] = []
-    for start in range(0, len(prompts), size):
-        part = generate_groups(engine, tokenizer, prompts[start:start + size], n, sampling)
-        for g in part:
-            score_group(g, tokenizer, scorer)
-        groups += part
-        if on_chunk is not None:
-            on_chunk(len(part))
-    return groups
+                       sampling: Callable[[int], SamplingParams], scorer: Scorer, *,
+                       on_group: Callable[[Group], None] | None = None) -> list[Group]:
+    """n scored samples per prompt, in prompt order; `sampling(i)` is prompt i's (its seed). Streamed: each
+    group is scored as it finishes and handed to `on_group` (a progress bar) in completion order."""
+    requests = [GroupRequest(key=i, prompt_ids=render_prompt_ids(tokenizer, p), n=n, sampling=sampling(i))
+                for i, p in enumerate(prompts)]
+    done: dict[int, Group] = {}
+    with engine.stream() as stream:
+        if requests:
+            stream.submit(requests)
+        while stream.pending:
+            result = stream.next()
+            group = Group(prompt=prompts[result.key], samples=result.samples)
+            score_group(group, tokenizer, scorer)
+            done[result.key] = group
+            if on_group is not None:
+                on_group(group)
+    return [done[i] for i in range(len(prompts))]
 
 
 @dataclass

@@ -2,26 +2,84 @@
 
 `algo.old_logprob_source`: "recompute" runs the actor's forward pass over the batch (the exact pi_old
 of the trainer); "rollout" takes the engine's logprobs as pi_old and skips that pass (then the
-train-inference mismatch goes uncorrected and unmeasured). `algo.rollout_correction` multiplies each
-token's loss term by TIS / MIS weights of pi_old / pi_rollout (algo/rollout_correction.py).
+train-inference mismatch goes uncorrected and unmeasured); "auto" is resolved once at start-up by
+`resolve_old_logprob_source`. `algo.rollout_correction` multiplies each token's loss term by TIS / MIS
+weights of pi_old / pi_rollout (algo/rollout_correction.py).
+
+The rule for auto: the rollout's logprobs serve as pi_old only when the engine computes the actor's own
+function: the embedded engine built on the actor's parameters (one process, CPU: every tensor but the
+fused QKV is the actor's own memory, and the sync copies that one after each update), in float32, every
+token sampled by the current weights (no partial rollout), and no rollout correction (which needs the
+two to differ). Those logprobs are then pi_old up to float rounding:
+the engine runs transformers' kernels (a KV-cached decode), the actor Megatron's (one forward per
+sequence), so they differ in the last bits (about 2e-7 per token in the tiny run), where a recompute
+makes the first update's ratio exactly 1. Equal up to rounding, not bit for bit: auto is not the default.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
 from megatron_dapo.algo.rollout_correction import correction_spec, correction_weights
-from megatron_dapo.config import AlgoConfig
+from megatron_dapo.config import AlgoConfig, RolloutConfig
 from megatron_dapo.types import TrainBatch
 
 
-def old_logprobs(actor: Actor, batch: TrainBatch, algo: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log pi_old [B, S], token entropies [B, S] or None when no forward pass ran)."""
+@dataclass(frozen=True)
+class OldLogprobSource:
+    """How the run gets pi_old (algo.old_logprob_source, resolved) and why."""
+
+    source: Literal["recompute", "rollout"]
+    reason: str
+
+    def line(self) -> str:
+        """The start-up summary's line."""
+        how = "recomputed by the actor" if self.source == "recompute" \
+            else "the rollout's logprobs, no recompute pass"
+        return f"{how} ({self.reason})"
+
+
+def resolve_old_logprob_source(algo: AlgoConfig, rollout: RolloutConfig, correction: str, *,
+                               engine_on_actor_weights: bool, dtype: torch.dtype) -> OldLogprobSource:
+    """algo.old_logprob_source, auto decided by the rule of the module docstring. `correction`: the rollout
+    correction in force (Config.rollout_correction); `engine_on_actor_weights`: the embedded engine was built
+    on the actor's parameters (shared_weights.py); `dtype`: the model's."""
+    setting = f"algo.old_logprob_source={algo.old_logprob_source}"
+    if algo.old_logprob_source == "recompute":
+        return OldLogprobSource("recompute", setting)
     if algo.old_logprob_source == "rollout":
+        return OldLogprobSource("rollout", f"{setting}: the train-inference mismatch enters the ratio unmeasured")
+    why_not = []
+    if correction != "none":
+        why_not.append(f"algo.rollout_correction={correction} weighs pi_old against the "
+                       "rollout's logprobs")
+    if rollout.partial_rollout:
+        why_not.append("rollout.partial_rollout: a continued response's earlier tokens were sampled by "
+                       "older weights")
+    if rollout.engine != "embedded":
+        why_not.append(f"rollout.engine={rollout.engine} computes with its own kernels and weights")
+    elif dtype != torch.float32:
+        why_not.append(f"model dtype {str(dtype).removeprefix('torch.')}: the engine's and the actor's "
+                       "kernels round differently far above float32 rounding")
+    elif not engine_on_actor_weights:
+        why_not.append("the embedded engine holds its own copy of the weights; it shares the actor's in one "
+                       "process on CPU with actor.offload_when_idle=false")
+    if why_not:
+        return OldLogprobSource("recompute", f"{setting}: " + "; ".join(why_not))
+    return OldLogprobSource("rollout", f"{setting}: the embedded engine samples from the actor's own float32 "
+                                       "weights, its logprobs are pi_old up to float rounding")
+
+
+def old_logprobs(actor: Actor, batch: TrainBatch,
+                 source: OldLogprobSource) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log pi_old [B, S], token entropies [B, S] or None when no forward pass ran)."""
+    if source.source == "rollout":
         return batch.rollout_logprobs.clone(), None
     return actor.compute_logprobs(batch)
 

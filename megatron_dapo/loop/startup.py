@@ -42,6 +42,8 @@ class StartupReport:
     actor_bytes_at_engine_start: int = 0
     micro_batch_tokens: tuple[int, int] = (0, 0)
     """The actor's token budgets (train, pi_old), resolved from the vocabulary when configured as 0."""
+    old_logprobs: str = ""
+    """Where pi_old comes from and why (OldLogprobSource.line)."""
 
     def lines(self) -> list[str]:
         cfg, model = self.cfg, read_model_config(self.cfg.model.hf_dir) or {}
@@ -68,6 +70,7 @@ class StartupReport:
                                                                if cfg.data.few_shot_path else ""),
             f"reward: {reward}",
             f"policy loss: {policy_loss_line(cfg)}",
+            f"pi_old: {self.old_logprobs}",
             f"rollout schedule: {schedule_line(cfg)}",
             *self.data,
         ]

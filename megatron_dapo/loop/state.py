@@ -23,6 +23,7 @@ from megatron_dapo.data.render import default_system_prompt, use_chat_template
 from megatron_dapo.hf_files import HFCheckpointError
 from megatron_dapo.loop import run_dir
 from megatron_dapo.loop.evaluation import sample_records
+from megatron_dapo.loop.old_policy import OldLogprobSource, resolve_old_logprob_source
 from megatron_dapo.loop.phases import Phases
 from megatron_dapo.loop.pipeline import RolloutPipeline
 from megatron_dapo.loop.preflight import SetupError, check_model, checkpoint_bytes
@@ -60,6 +61,8 @@ class RunState:
     hf_dir: str
     scorer: Scorer
     """reward.name's verifier + the overlong term, built once (the driver scores)."""
+    old_logprobs: OldLogprobSource
+    """Where pi_old comes from (algo.old_logprob_source, auto resolved at start-up)."""
     start_step: int = 0
     samples_generated: int = 0
     carry: list = field(default_factory=list)
@@ -266,10 +269,14 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
     report.actor_bytes_at_engine_start = sum(actor.device_bytes().values())
     servers = _start_sglang(cfg, hf_dir) if cfg.rollout.engine == "sglang" else None
     if servers is not None:
-        engine = servers.engine
+        engine, shared = servers.engine, False
         report.engine = f"sglang ({len(servers.owned)} server(s) started by this rank)"
-    else:
-        engine = _embedded_engine(actor, cfg.model, report, _why_own_weights(cfg)) if driver else None
+    else:  # the weights are shared in a one-process job only: every rank resolves pi_old alike
+        engine, shared = _embedded_engine(actor, cfg.model, report, _why_own_weights(cfg)) if driver \
+            else (None, False)
+    old = resolve_old_logprob_source(cfg.algo, cfg.rollout, cfg.rollout_correction(),
+                                     engine_on_actor_weights=shared, dtype=param_dtype(cfg.model))
+    report.old_logprobs = old.line()
     return RunState(
         cfg=cfg, actor=actor, tokenizer=tokenizer, engine=engine,
         phases=Phases(actor, engine, cfg.rollout.colocate, cfg.actor.offload_when_idle,
@@ -281,7 +288,8 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
         writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver,
                              wandb=cfg.logging.wandb, run_config=to_dict(cfg)),
         alarms=Alarms(cfg.logging, cfg.rollout.max_response_len),
-        ckpt_root=folder, hf_dir=hf_dir, scorer=scorer, servers=servers.owned if servers is not None else [],
+        ckpt_root=folder, hf_dir=hf_dir, scorer=scorer, old_logprobs=old,
+        servers=servers.owned if servers is not None else [],
         lock=lock, pipeline=RolloutPipeline() if driver and cfg.rollout.async_steps else None)
 
 
@@ -310,9 +318,9 @@ def _why_own_weights(cfg: Config) -> str | None:
 
 
 def _embedded_engine(actor: Actor, model_cfg: ModelConfig, report: StartupReport,
-                     why_own: str | None) -> RolloutEngine:
+                     why_own: str | None) -> tuple[RolloutEngine, bool]:
     """On the actor's own weights when they can be shared (shared_weights.py) and stay in place while the
-    engine generates (`why_own` is None), else from hf_dir."""
+    engine generates (`why_own` is None), else from hf_dir; and whether it is on the actor's weights."""
     from megatron_dapo.loop.shared_weights import can_share, model_on_actor_weights
     from megatron_dapo.rollout.embedded import EmbeddedEngine
 
@@ -320,11 +328,11 @@ def _embedded_engine(actor: Actor, model_cfg: ModelConfig, report: StartupReport
     own = f"its own {str(dtype).removeprefix('torch.')} copy of the weights (from {hf_dir}"
     if not can_share(actor, dtype):
         report.engine = f"embedded, {own})"
-        return EmbeddedEngine(hf_dir, device=parallel.device(), dtype=dtype)
+        return EmbeddedEngine(hf_dir, device=parallel.device(), dtype=dtype), False
     if why_own:
         report.engine = f"embedded, {own}; {why_own})"
-        return EmbeddedEngine(hf_dir, device=parallel.device(), dtype=dtype)
+        return EmbeddedEngine(hf_dir, device=parallel.device(), dtype=dtype), False
     model, shared = model_on_actor_weights(actor, hf_dir)
     total = sum(p.numel() for p in model.parameters())
     report.engine = f"embedded, on the actor's weights ({shared / 1e6:.2f}M of {total / 1e6:.2f}M parameters shared)"
-    return EmbeddedEngine(model, device=parallel.device(), dtype=dtype, borrowed=actor.module.parameters())
+    return EmbeddedEngine(model, device=parallel.device(), dtype=dtype, borrowed=actor.module.parameters()), True
