@@ -228,8 +228,9 @@ def test_a_killed_async_run_resumes_exactly(base_dir, tmp_path, python_env):
 
 def test_bench_async_reports_the_ratio_beside_the_overlap_limit():
     """tools/bench_async.py's arithmetic: generation 3 s + training 1 s a step cannot overlap below 3/4."""
-    sys.path.insert(0, str(REPO / "tools"))
-    from bench_async import compare
+    import runpy
+
+    compare = runpy.run_path(str(REPO / "tools" / "bench_async.py"))["compare"]
 
     sync = {"timing/rollout_s": [2.5, 2.5], "timing/reward_s": [0.5, 0.5], "timing/step_s": [4.0, 4.0],
             "perf/tokens_per_s": [10.0, 10.0]}
