@@ -1,4 +1,4 @@
-"""The package's shape (DESIGN.md "Layout"): layering, no import circles, file sizes, no path hacks.
+"""The package's shape (docs/design.md "Layout"): layering, no import circles, file sizes, no path hacks.
 
 Imports are read with `ast` (every import statement, also inside functions), so a lazy import that
 breaks the layering is caught as well.
@@ -107,3 +107,13 @@ def test_no_sys_path_hacks():
             for p in sorted((REPO / folder).rglob("*")) if p.suffix in (".py", ".sh")
             for i, line in enumerate(p.read_text().splitlines(), 1) if PATH_HACK in line]
     assert not hits, f"{PATH_HACK} found:\n" + "\n".join(hits)
+
+
+MAX_README_LINES = 250
+
+
+def test_the_readme_stays_short():
+    """The README is what a newcomer reads first; measurements and design notes live in docs/
+    (docs/performance.md, docs/design.md, docs/study_dapo_small/README.md), linked from it."""
+    n = len((REPO / "README.md").read_text().splitlines())
+    assert n <= MAX_README_LINES, f"README.md has {n} lines (at most {MAX_README_LINES})"

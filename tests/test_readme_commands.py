@@ -1,7 +1,8 @@
-"""Every shell command the README shows runs in a test, so none can rot.
+"""Every shell command the README and docs/ show runs in a test, so none can rot; every relative link
+resolves.
 
-Convention (also in the README's header comment): in a ```bash fence, each command (a line, with its
-`\\` continuation lines) is preceded by a directive line
+Convention (also in the README's header comment): in a ```bash fence of README.md or of any docs/**/*.md,
+each command (a line, with its `\\` continuation lines) is preceded by a directive line
 
     # test: [tier=slow|slurm|sglang|gpu] [timeout=SECONDS] [needs=PATH] [VAR=value ...] run [ARGS ...]
     # test: skip REASON
@@ -9,9 +10,10 @@ Convention (also in the README's header comment): in a ```bash fence, each comma
 `run` executes the command from a sandbox folder (below) with ARGS appended (shortening overrides such as
 `train.steps=1`) and VAR=value in its environment (`DRY_RUN=1` for the dry-run form of a launcher);
 it must exit 0. `tier=` gives the test that pytest marker (`-m slow` ...). `needs=` names a sandbox
-path an earlier README command produces (commands run in README order). A command without a directive
-fails `test_every_readme_command_has_a_directive`. The fences right after `<!-- ci:run -->` and
-`<!-- ci:test -->` (the first screen) are run exactly as written by `.ci/run`, which this module checks.
+path an earlier command produces: commands run in file order, README.md first, then the docs/ files in
+sorted path order. A command without a directive fails `test_every_readme_command_has_a_directive`. The
+fences right after `<!-- ci:run -->` and `<!-- ci:test -->` (the README's first screen) are run exactly
+as written by `.ci/run`, which this module checks.
 
 The sandbox: `examples/` and `tools/` of this checkout, `checkpoints/tiny_base` (the tiny base, built
 here quickly), `models/my-model` (a tiny Llama with a Qwen2.5-style chat template), `models/Qwen2.5-32B`
@@ -34,6 +36,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = [README, *sorted((REPO / "docs").rglob("*.md"))]  # the order the commands run in
 TIERS = ("slow", "slurm", "sglang", "gpu")
 DIRECTIVE = re.compile(r"^#\s*test:\s*(.*)$")
 
@@ -43,6 +46,7 @@ class Command:
     line: int
     text: str
     directive: str | None
+    source: str = "README.md"  # the file, relative to the repository
     env: dict[str, str] = field(default_factory=dict)
     args: list[str] = field(default_factory=list)
     tier: str | None = None
@@ -53,7 +57,13 @@ class Command:
     @property
     def name(self) -> str:
         words = [w for w in shlex.split(self.text, comments=True) if "=" not in w or w.startswith("-")][:3]
-        return f"L{self.line}-" + "-".join(Path(w).name for w in words)
+        stem = Path(self.source).with_suffix("").as_posix().replace("/", "-")
+        prefix = "" if self.source == "README.md" else stem + "-"  # the README's ids as before
+        return f"{prefix}L{self.line}-" + "-".join(Path(w).name for w in words)
+
+    @property
+    def where(self) -> str:
+        return f"{self.source} line {self.line}"
 
 
 def parse_directive(cmd: Command) -> Command:
@@ -61,19 +71,19 @@ def parse_directive(cmd: Command) -> Command:
     if spec.startswith("skip"):
         cmd.skip = spec[4:].lstrip(": ").strip() or "no reason given"
         if cmd.skip == "no reason given":
-            raise ValueError(f"README line {cmd.line}: `# test: skip` needs a reason")
+            raise ValueError(f"{cmd.where}: `# test: skip` needs a reason")
         return cmd
     words = shlex.split(spec)
     if "run" not in words:
-        raise ValueError(f"README line {cmd.line}: directive {spec!r} has neither `run` nor `skip`")
+        raise ValueError(f"{cmd.where}: directive {spec!r} has neither `run` nor `skip`")
     at = words.index("run")
     for word in words[:at]:
         key, sep, value = word.partition("=")
         if not sep:
-            raise ValueError(f"README line {cmd.line}: {word!r} in {spec!r} is not KEY=VALUE")
+            raise ValueError(f"{cmd.where}: {word!r} in {spec!r} is not KEY=VALUE")
         if key == "tier":
             if value not in TIERS:
-                raise ValueError(f"README line {cmd.line}: tier={value}: one of {TIERS}")
+                raise ValueError(f"{cmd.where}: tier={value}: one of {TIERS}")
             cmd.tier = value
         elif key == "timeout":
             cmd.timeout = int(value)
@@ -85,8 +95,8 @@ def parse_directive(cmd: Command) -> Command:
     return cmd
 
 
-def readme_commands(text: str) -> tuple[list[Command], list[tuple[str, str]]]:
-    """(the commands of every bash fence, [(ci marker, first line of its fence)])."""
+def readme_commands(text: str, source: str = "README.md") -> tuple[list[Command], list[tuple[str, str]]]:
+    """(the commands of every bash fence, [(ci marker, first line of its fence)]) of one markdown file."""
     commands, ci, lines = [], [], text.splitlines()
     i, marker = 0, None
     while i < len(lines):
@@ -103,12 +113,12 @@ def readme_commands(text: str) -> tuple[list[Command], list[tuple[str, str]]]:
             if marker is not None:
                 ci.append((marker, body[0]))
             else:
-                commands += _fence_commands(body, first_line=i + 2)
+                commands += _fence_commands(body, first_line=i + 2, source=source)
         marker, i = None, end + 1
     return commands, ci
 
 
-def _fence_commands(body: list[str], first_line: int) -> list[Command]:
+def _fence_commands(body: list[str], first_line: int, source: str) -> list[Command]:
     out, directive, k = [], None, 0
     while k < len(body):
         line = body[k].strip()
@@ -120,18 +130,30 @@ def _fence_commands(body: list[str], first_line: int) -> list[Command]:
             while text.rstrip().endswith("\\") and k + 1 < len(body):
                 k += 1
                 text = text.rstrip()[:-1] + " " + body[k].strip()
-            out.append(Command(line=first_line + start, text=text.strip(), directive=directive))
+            out.append(Command(line=first_line + start, text=text.strip(), directive=directive,
+                               source=source))
             directive = None
         k += 1
     return out
 
 
-COMMANDS, CI_FENCES = readme_commands(README.read_text())
+def all_commands() -> tuple[list[Command], list[tuple[str, str]]]:
+    """Every file's commands in run order, and the ci markers (README.md's: .ci/run reads no other file)."""
+    commands, ci = [], []
+    for path in DOCS:
+        found, markers = readme_commands(path.read_text(), source=path.relative_to(REPO).as_posix())
+        commands += found
+        # a marker in docs/ keeps its file in the name, so the first-screen test fails on it
+        ci += markers if path == README else [(f"{path.relative_to(REPO)}: {m}", f) for m, f in markers]
+    return commands, ci
+
+
+COMMANDS, CI_FENCES = all_commands()
 
 
 def test_every_readme_command_has_a_directive():
-    missing = [f"README line {c.line}: {c.text}" for c in COMMANDS if c.directive is None]
-    assert not missing, "README commands without a `# test: ...` line before them:\n" + "\n".join(missing)
+    missing = [f"{c.where}: {c.text}" for c in COMMANDS if c.directive is None]
+    assert not missing, "commands without a `# test: ...` line before them:\n" + "\n".join(missing)
     for c in COMMANDS:
         parse_directive(c)  # every directive parses
     assert len(COMMANDS) >= 10
@@ -147,6 +169,65 @@ def test_the_first_screen_is_what_ci_runs():
         got = subprocess.run(["bash", "-c", f"{function}\nreadme_command {name}"], cwd=REPO, capture_output=True,
                              text=True, timeout=30).stdout.strip()
         assert got == first.strip(), (marker, got)
+
+
+# ------------------------------------------------------------------------------------------ the links
+
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)|<img\s[^>]*src=\"([^\"]+)\"")
+
+
+def markdown_links(text: str) -> list[tuple[int, str]]:
+    """(line, target) of every markdown link, image and <img src> outside code fences and code spans."""
+    out, fenced = [], False
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            out += [(n, a or b) for a, b in (m.groups() for m in LINK.finditer(re.sub(r"`[^`]*`", "", line)))]
+    return out
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The #anchors GitHub gives the file's headings (lower case, punctuation dropped, spaces to '-')."""
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in text.splitlines():
+        if line.strip().startswith("```"):
+            fenced = not fenced
+        if fenced or not (m := re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)):
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).replace("`", "").lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        if seen[slug]:
+            seen[f"{slug}-{seen[slug]}"] = 0
+    return set(seen)
+
+
+def _relative_links():
+    for path in DOCS:
+        for line, target in markdown_links(path.read_text()):
+            if not re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):  # http(s):, mailto: ...: not ours
+                yield path, line, target
+
+
+def test_every_relative_link_resolves():
+    links = list(_relative_links())
+    assert any(path != README for path, _, _ in links), "expected the README and docs/ to link each other"
+    broken = [f"{path.relative_to(REPO)}:{line}: {target}" for path, line, target in links
+              if target.split("#")[0] and not (path.parent / target.split("#")[0]).exists()]
+    assert not broken, "relative links to files that do not exist:\n" + "\n".join(broken)
+
+
+def test_every_link_anchor_names_a_heading():
+    broken = []
+    for path, line, target in _relative_links():
+        file, _, fragment = target.partition("#")
+        dest = path.parent / file if file else path
+        if fragment and dest.suffix == ".md" and dest.exists() \
+                and fragment not in heading_anchors(dest.read_text()):
+            broken.append(f"{path.relative_to(REPO)}:{line}: {target}")
+    assert not broken, "links to a #heading the file does not have:\n" + "\n".join(broken)
 
 
 # ------------------------------------------------------------------------------------------ the sandbox
@@ -196,11 +277,11 @@ def _params():
 @pytest.mark.parametrize("cmd", list(_params()))
 def test_readme_command(cmd: Command, sandbox: Path):
     if cmd.directive is None:
-        pytest.fail(f"README line {cmd.line} has no `# test:` directive: {cmd.text}")
+        pytest.fail(f"{cmd.where} has no `# test:` directive: {cmd.text}")
     if cmd.skip:
-        pytest.skip(f"README line {cmd.line}: {cmd.skip}")
+        pytest.skip(f"{cmd.where}: {cmd.skip}")
     if cmd.needs and not (sandbox / cmd.needs).exists():
-        pytest.fail(f"README line {cmd.line} needs {cmd.needs}, which an earlier README command makes: "
+        pytest.fail(f"{cmd.where} needs {cmd.needs}, which an earlier README / docs command makes: "
                     "run the whole module")
     words = shlex.split(cmd.text, comments=True) + cmd.args
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -208,5 +289,5 @@ def test_readme_command(cmd: Command, sandbox: Path):
            **cmd.env}
     r = subprocess.run(["bash", "-c", shlex.join(words)], cwd=sandbox, env=env, capture_output=True, text=True,
                        timeout=cmd.timeout)
-    assert r.returncode == 0, (f"README line {cmd.line}: {cmd.text}\nexit {r.returncode}\n"
+    assert r.returncode == 0, (f"{cmd.where}: {cmd.text}\nexit {r.returncode}\n"
                                f"stdout: {r.stdout[-3000:]}\nstderr: {r.stderr[-5000:]}")

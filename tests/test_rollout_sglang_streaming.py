@@ -53,7 +53,7 @@ def test_groups_come_back_in_completion_order_with_exact_logprobs(engine, hf):
 def test_seeds_are_sent_but_not_honoured_on_cpu(engine):
     """SGLang honours sampling_seed only with --enable-deterministic-inference, which it refuses with the CPU
     attention backend: the same seeded group twice differs here (if this fails, SGLang now honours seeds on
-    CPU: update the README's reproducibility note)."""
+    CPU: update the reproducibility note in docs/performance.md)."""
     with engine.stream() as stream:
         stream.submit([group(0, 24, n=2, seed=11)])
         a = stream.next()

@@ -2,7 +2,7 @@
 seeds at an equal rollout budget, resumable; writes results.json (every curve of every run),
 table.md and study.png (the paper's panels) into --out.
 
-    python tools/ablate.py --study dapo-small --jobs 2                 # the study of the README
+    python tools/ablate.py --study dapo-small --jobs 2                 # docs/study_dapo_small/README.md
     python tools/ablate.py --study tiny --jobs 2                       # Table 1 on the tiny task
     python tools/ablate.py --study dapo-small --seeds 1 --budget 512 --variants grpo dapo train.steps=2
 
