@@ -167,7 +167,7 @@ def test_validation(kw, match):
 
 def test_config_names_map_to_level_and_mode():
     names = typing.get_args(typing.get_type_hints(AlgoConfig)["rollout_correction"])
-    assert set(names) == {"none", *CORRECTIONS}
+    assert set(names) == {"auto", "none", *CORRECTIONS}  # auto: resolved by Config.rollout_correction()
     assert correction_spec("none") is None
     assert correction_spec("token_tis") == ("token", "truncate")
     assert correction_spec("seq_tis") == ("sequence", "truncate")
