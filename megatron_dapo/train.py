@@ -154,7 +154,7 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     out.update(run.phases.ledger)
     tokens = int(batch.lengths.sum())
     return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, tokens, sync.scalars()),
-            **(pipeline.step_scalars() if pipeline is not None and run.is_driver else {})}
+            **(pipeline.step_scalars() if pipeline is not None else {})}
 
 
 def batch_boundary(run: RunState) -> None:
@@ -169,8 +169,8 @@ def batch_boundary(run: RunState) -> None:
 def collect(run: RunState, step: int) -> StepRollout:
     """The step's groups (driver only): streamed (`rollout.streaming`) or in synchronous rounds."""
     cfg = run.cfg
-    common = dict(target_groups=cfg.train.prompt_batch_size, algo=cfg.algo, scorer=run.scorer)
-    common["version"] = run.phases.step  # the engine's weights: those after this update
+    common = dict(target_groups=cfg.train.prompt_batch_size, algo=cfg.algo, scorer=run.scorer,
+                  version=run.phases.step)  # the engine's weights are those after step `version`
     if cfg.rollout.streaming:
         rollout = collect_stream(run.engine, run.tokenizer, run.next_prompts, **common,
                                  sampling=lambda g: group_sampling(cfg, step, g, run.eos_ids),

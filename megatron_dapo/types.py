@@ -23,6 +23,11 @@ class Prompt:
     """The reference answer (an integer string for DAPO-Math-17K and GSM8K)."""
     data_source: str = "unknown"
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Prompt:
+        """From `dataclasses.asdict` after a JSON round trip (lists back to tuples)."""
+        return cls(**{**d, "messages": tuple(d["messages"])})
+
 
 @dataclass
 class Sample:
@@ -44,6 +49,11 @@ class Sample:
     (version s = after step s's update; set by the step's collector). A sample continued by a later step
     (partial rollout) has one span per step that extended it."""
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Sample:
+        """From `dataclasses.asdict` after a JSON round trip (spans back to tuples; none before they existed)."""
+        return cls(**{**d, "versions": [tuple(v) for v in d.get("versions", ())]})
+
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
@@ -59,6 +69,10 @@ class Group:
 
     prompt: Prompt
     samples: list[Sample] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Group:
+        return cls(Prompt.from_dict(d["prompt"]), [Sample.from_dict(s) for s in d["samples"]])
 
     @property
     def rewards(self) -> list[float]:

@@ -45,7 +45,7 @@ def stamp(samples: list[Sample], version: int, before: tuple[Sample, ...] = ()) 
     carried in: its spans are kept); a sample with no span gets (0, version)."""
     for k, s in enumerate(samples):
         prior = before[k] if k < len(before) else None
-        spans = [tuple(v) for v in prior.versions] if prior is not None else []
+        spans = list(prior.versions) if prior is not None else []
         start = prior.response_len if prior is not None else 0
         if s.response_len > start or not spans:
             spans.append((start, version))

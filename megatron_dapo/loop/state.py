@@ -75,7 +75,8 @@ class RunState:
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     pipeline: RolloutPipeline | None = None
     """rollout.async_steps > 0: the driver's producer of the next batch (loop/pipeline.py)."""
-    _has_val: bool | None = field(default=None, repr=False)
+    has_val: bool = False
+    """The driver loaded validation prompts; every rank knows it (validation moves the devices collectively)."""
 
     @property
     def is_driver(self) -> bool:
@@ -98,13 +99,6 @@ class RunState:
     def budget_spent(self) -> bool:
         budget = self.cfg.train.rollout_budget
         return budget > 0 and self.samples_generated >= budget
-
-    @property
-    def has_val(self) -> bool:
-        """The driver loaded validation prompts (every rank agrees: validation moves the devices collectively)."""
-        if self._has_val is None:
-            self._has_val = parallel.from_driver("has_val", "1" if self.val_prompts else "") == "1"
-        return self._has_val
 
     def wants_eval(self, step: int) -> bool:
         every = self.cfg.eval.every_steps
@@ -230,7 +224,7 @@ def build_run(cfg: Config) -> RunState:
             log.warning(note)
         run = _build(cfg, tokenizer, folder, lock, scorer, prompt_format, report)
         parallel.join_driver("startup")  # the driver's engine, prompts and metrics: however long they take
-        run.has_val  # noqa: B018 - every rank learns it now, while the driver is known to have set it
+        run.has_val = parallel.from_driver("has_val", "1" if run.val_prompts else "") == "1"
     except BaseException:
         if lock is not None:
             lock.release()

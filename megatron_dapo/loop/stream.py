@@ -286,10 +286,8 @@ def carry_state(carry: Carry) -> list[dict]:
 def load_carry(state: list[dict]) -> Carry:
     out = []
     for item in state:
-        p, r = item["prompt"], dict(item["request"])
-        prompt = Prompt(**{**p, "messages": tuple(p["messages"])})
+        r = dict(item["request"])
         r["sampling"] = SamplingParams(**r["sampling"])
-        r["resume"] = tuple(Sample(**{**s, "versions": [tuple(v) for v in s.get("versions", ())]})
-                            for s in r["resume"])
-        out.append((prompt, GroupRequest(**r)))
+        r["resume"] = tuple(Sample.from_dict(s) for s in r["resume"])
+        out.append((Prompt.from_dict(item["prompt"]), GroupRequest(**r)))
     return out
