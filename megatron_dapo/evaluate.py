@@ -197,9 +197,9 @@ def run(cfg: Config, hf_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     from megatron_dapo.data.render import use_chat_template
-    from megatron_dapo.loop.collect import eval_sampling
     from megatron_dapo.loop.evaluation import EvalResult, generate_and_score
     from megatron_dapo.reward import RewardLoadError, Scorer
+    from megatron_dapo.rollout.step.seeds import sampling_params
 
     try:
         scorer = Scorer(cfg.reward, cfg.rollout.max_response_len)
@@ -215,7 +215,7 @@ def run(cfg: Config, hf_dir: Path) -> Any:
     with open_engine(cfg, hf_dir) as engine, tqdm(total=len(prompts), desc="evaluate", unit="prompt",
                                                   file=sys.stderr, dynamic_ncols=True, mininterval=0) as bar:
         groups = generate_and_score(engine, tokenizer, prompts, cfg.eval.n_samples,
-                                    lambda i: eval_sampling(cfg, eos, i), scorer, on_group=GroupProgress(bar))
+                                    lambda i: sampling_params(cfg, eos, "eval", i), scorer, on_group=GroupProgress(bar))
     return EvalResult(groups, cfg.eval.n_samples, seconds=time.perf_counter() - t0)
 
 

@@ -18,19 +18,26 @@ from pathlib import Path
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import NonFiniteWeightsError
 from megatron_dapo.actor.checkpoint import CheckpointError, latest_checkpoint, step_dir
+from megatron_dapo.algo.advantages import group_advantages
 from megatron_dapo.algo.policy_losses import policy_loss_spec
+from megatron_dapo.algo.train_batch import build_train_batch, group_rewards, overlong_weights
 from megatron_dapo.cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError, print_error, quiet_third_party
 from megatron_dapo.config import Config, ConfigError, build_parser, load_config, to_yaml, validate
-from megatron_dapo.loop import distribute, scalars
-from megatron_dapo.loop.collect import StepRollout, collect_step, evaluate, step_sampling
+from megatron_dapo.loop import distribute, monitors
+from megatron_dapo.loop.build import build_run
+from megatron_dapo.loop.evaluation import validate as run_validation
 from megatron_dapo.loop.old_policy import apply_rollout_correction, old_logprobs
-from megatron_dapo.loop.pipeline import drop_stale, staleness_scalars
 from megatron_dapo.loop.preempt import Preempted, StartInterrupted, StopSignals
-from megatron_dapo.loop.state import RunState, build_run
+from megatron_dapo.loop.state import RunState
 from megatron_dapo.loop.weight_probe import WeightSyncError
-from megatron_dapo.loop.stream import collect_stream, group_sampling, rollout_cost_scalars
 from megatron_dapo.metrics import progress
 from megatron_dapo.rollout.base import NonFiniteLogitsError
+from megatron_dapo.rollout.step.result import StepRollout
+from megatron_dapo.rollout.step.rounds import collect_rounds
+from megatron_dapo.rollout.step.seeds import sampling_params
+from megatron_dapo.rollout.step.streaming import StreamPlan, collect_stream
+from megatron_dapo.rollout.step.versions import drop_stale, staleness_scalars
+from megatron_dapo.types import Group, TrainBatch
 
 log = logging.getLogger(__name__)
 
@@ -102,41 +109,28 @@ def _steps(run: RunState, stop: StopSignals) -> dict[str, float]:
 def dapo_step(run: RunState, step: int) -> dict[str, float]:
     """One DAPO step: rollout -> rewards -> dynamic sampling -> advantages -> pi_old -> updates -> sync."""
     cfg, timer, t_step = run.cfg, run.timer, time.perf_counter()
-    scale_by_std = policy_loss_spec(cfg.algo.policy_loss).scale_advantages_by_std  # False for Dr. GRPO
-    pipeline, out = run.pipeline, {}
     run.phases.generate()
-    with timer("rollout"):  # (generation and reward scoring happen round by round, or group by group)
-        with rollout_logits_checked(run, after_step=step - 1 if pipeline is None else run.phases.step):
-            rollout = (collect(run, step) if pipeline is None else pipeline.take(step)) if run.is_driver else None
-        if pipeline is not None and run.is_driver:  # off-policy: the next batch generates while this one trains
-            if step < cfg.train.steps:
-                pipeline.start(step + 1)
-            out.update(staleness_scalars(rollout, step - 1, drop_stale(rollout, step - 1, cfg.rollout.async_steps)))
+    with timer("rollout"):  # generation and reward scoring, round by round or group by group
+        rollout = next_rollout(run, step) if run.is_driver else None
         parallel.join_driver("rollout")  # the other ranks wait host-side, however long the rollout takes
-        rows = distribute.step_rows(rollout, num_mini_batches=run.num_mini_batches,
-                                    overlong_filtering=cfg.algo.overlong_filtering,
-                                    pad_id=run.tokenizer.pad_token_id or 0, scale_by_std=scale_by_std)
-    if pipeline is None:
-        timer.move("rollout", "reward", rollout.reward_seconds if rollout is not None else 0.0)
-    elif rollout is not None:  # scored in the producer, overlapping the previous step
-        out["timing/reward_s"] = rollout.reward_seconds
-    run.samples_generated += rows.samples_generated
-    out.update({"rollout/samples_total": float(run.samples_generated),
-                "rollout/groups_trained": float(rows.groups_trained)})
-    if rollout is not None:  # the driver has every sample: the all-sample monitors are computed there
+    out, batch = {}, None
+    if rollout is not None:  # the driver: monitors over everything generated, then the batch to train on
         run.write_samples(step, "train", rollout.generated)
-        out.update(scalars.rollout_scalars(rollout, samples_total=run.samples_generated,
-                                           groups_trained=rows.groups_trained))
-        out.update(rollout.monitors())
-        out.update(rollout_cost_scalars(rollout, cfg.algo))
-    out.update({"perf/rollout_bytes_total": float(rows.bytes_total),
-                "perf/rollout_bytes_max_recv": float(distribute.max_received(rows))})
-    batch = rows.batch
+        groups = rollout.groups
+        if run.pipeline is not None:  # off-policy: too stale a group is dropped (the actor has made step - 1 updates)
+            groups, dropped = drop_stale(groups, step - 1, cfg.rollout.async_steps)
+            out.update(staleness_scalars(groups, step - 1, dropped))
+        groups = distribute.trainable(groups, run.num_mini_batches)  # whole mini-batches on every DP rank
+        out.update({**rollout.scalars(), "rollout/groups_trained": float(len(groups))})
+        batch = train_batch(run, groups) if groups else None
+    run.samples_generated += int(parallel.from_driver(f"samples/{step}", str(rollout.samples_generated
+                                                                              if rollout is not None else 0)))
+    batch, moved = distribute.scatter(batch)
+    out.update({"rollout/samples_total": float(run.samples_generated), **moved.scalars()})
     if batch is None:
         log.warning("step %d: no informative group to train on; skipping the update", step)
         batch_boundary(run)
-        return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, 0, None),
-                **(pipeline.step_scalars() if pipeline is not None else {})}
+        return {**out, **step_timings(run, t_step, 0, None)}
     run.phases.train()
     with timer("old_logprob"):
         batch.old_logprobs, entropy = old_logprobs(run.actor, batch, run.old_logprobs)
@@ -150,11 +144,36 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     batch_boundary(run)
     with timer("weight_sync"):
         sync = run.phases.sync(step)
-    out.update(scalars.update_scalars(update, parallel.dp_sum(scalars.token_sums(batch, entropy))))
+    out.update(monitors.update_scalars(update, monitors.token_means(batch, entropy)))
     out.update(run.phases.ledger)
-    tokens = int(batch.lengths.sum())
-    return {**out, **scalars.step_timings(timer.take(), time.perf_counter() - t_step, tokens, sync.scalars()),
-            **(pipeline.step_scalars() if pipeline is not None else {})}
+    return {**out, **step_timings(run, t_step, int(batch.lengths.sum()), sync.scalars())}
+
+
+def train_batch(run: RunState, groups: list[Group]) -> TrainBatch:
+    """The kept groups as token rows: each sample's advantage within its group (divided by the group's std
+    unless the policy loss says not: Dr. GRPO), truncated samples out of the loss with overlong filtering."""
+    scale = policy_loss_spec(run.cfg.algo.policy_loss).scale_advantages_by_std
+    advantages = group_advantages(group_rewards(groups), scale_by_std=scale)
+    weights = overlong_weights(groups) if run.cfg.algo.overlong_filtering else None
+    return build_train_batch(groups, advantages, loss_weights=weights, pad_id=run.tokenizer.pad_token_id or 0)
+
+
+def step_timings(run: RunState, t_step: float, tokens: int, sync: dict[str, float] | None) -> dict[str, float]:
+    timings = monitors.step_timings(run.timer.take(), time.perf_counter() - t_step, tokens, sync)
+    return {**timings, **(run.pipeline.step_scalars() if run.pipeline is not None else {})}
+
+
+def next_rollout(run: RunState, step: int) -> StepRollout:
+    """The driver's batch of step `step`: collected now, or (off-policy pipelining) the one generated while
+    the last step trained, the next one started at once (the engine still holds the weights after step - 1)."""
+    if run.pipeline is None:
+        with rollout_logits_checked(run, after_step=step - 1):
+            return collect(run, step)
+    with rollout_logits_checked(run, after_step=run.phases.step):
+        rollout = run.pipeline.take(step)
+    if step < run.cfg.train.steps:
+        run.pipeline.start(step + 1)
+    return rollout
 
 
 def batch_boundary(run: RunState) -> None:
@@ -167,27 +186,29 @@ def batch_boundary(run: RunState) -> None:
 
 
 def collect(run: RunState, step: int) -> StepRollout:
-    """The step's groups (driver only): streamed (`rollout.streaming`) or in synchronous rounds."""
-    cfg = run.cfg
-    common = dict(target_groups=cfg.train.prompt_batch_size, algo=cfg.algo, scorer=run.scorer,
-                  version=run.phases.step)  # the engine's weights are those after step `version`
+    """The step's groups (driver only): streamed (`rollout.streaming`) or in synchronous rounds; both stamp
+    the samples with the engine's policy version (its weights are those after step `version`)."""
+    cfg, version = run.cfg, run.phases.step
     if cfg.rollout.streaming:
-        rollout = collect_stream(run.engine, run.tokenizer, run.next_prompts, **common,
-                                 sampling=lambda g: group_sampling(cfg, step, g, run.eos_ids),
-                                 max_inflight_groups=cfg.rollout.max_inflight_groups,
-                                 partial=cfg.rollout.partial_rollout, carry=run.carry,
-                                 max_carry_steps=cfg.rollout.max_carry_steps)
+        plan = StreamPlan.from_config(cfg.algo, cfg.train.prompt_batch_size, cfg.rollout.max_inflight_groups,
+                                      cfg.rollout.partial_rollout, cfg.rollout.max_carry_steps)
+        rollout = collect_stream(run.engine, run.next_prompt, run.score,
+                                 lambda g: sampling_params(cfg, run.eos_ids, "train", step, "group", g), plan,
+                                 group_size=cfg.algo.group_size, carry=run.carry, version=version)
         run.carry = rollout.carry
-        return rollout
-    return collect_step(run.engine, run.tokenizer, run.next_prompts, **common,
-                        sampling=lambda r: step_sampling(cfg, step, r, run.eos_ids))
+    else:
+        rollout = collect_rounds(run.engine, run.next_prompt, run.score,
+                                 lambda r: sampling_params(cfg, run.eos_ids, "train", step, r), algo=cfg.algo,
+                                 target_groups=cfg.train.prompt_batch_size, version=version)
+    rollout.reward_failures = run.scorer.take_failures()
+    return rollout
 
 
 def validate_policy(run: RunState, step: int) -> dict[str, float]:
     """avg@k, pass@k, maj@k on the validation prompts (driver only; other ranks return nothing)."""
     run.phases.generate()
     with rollout_logits_checked(run, after_step=step):
-        result = evaluate(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids, run.scorer) \
+        result = run_validation(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids, run.scorer) \
             if run.is_driver else None
     parallel.join_driver("eval")
     if result is None:

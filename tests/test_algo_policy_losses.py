@@ -166,8 +166,11 @@ def test_dr_grpo_advantages_are_centred_rewards():
     assert all(policy_loss_spec(k).scale_advantages_by_std for k in ("dapo", "gspo", "cispo"))
 
 
-def test_build_train_batch_takes_the_switch():
-    from megatron_dapo.algo.train_batch import build_train_batch
+def test_the_trainers_batch_takes_the_policy_losss_advantage_switch():
+    from types import SimpleNamespace
+
+    from megatron_dapo.config import load_config
+    from megatron_dapo.train import train_batch
     from megatron_dapo.types import Group, Prompt, Sample
 
     def sample(reward):
@@ -176,9 +179,12 @@ def test_build_train_batch_takes_the_switch():
 
     prompt = Prompt(uid="a", messages=({"role": "user", "content": "1+0"},), ground_truth="1")
     groups = [Group(prompt, [sample(1.0), sample(0.0), sample(0.0)])]
-    plain = build_train_batch(groups, overlong_filtering=False, scale_by_std=False)
+    def run(loss):
+        return SimpleNamespace(cfg=load_config(None, [f"algo.policy_loss={loss}"]), tokenizer=SimpleNamespace(pad_token_id=0))
+
+    plain = train_batch(run("dr_grpo"), groups)
     torch.testing.assert_close(plain.advantages, torch.tensor([2 / 3, -1 / 3, -1 / 3]))
-    scaled = build_train_batch(groups, overlong_filtering=False)
+    scaled = train_batch(run("dapo"), groups)
     want = group_advantages(torch.tensor([[1.0, 0.0, 0.0]])).reshape(-1)
     torch.testing.assert_close(scaled.advantages, want)
 

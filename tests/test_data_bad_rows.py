@@ -76,7 +76,7 @@ def test_the_trainer_applies_rollout_max_prompt_len(tmp_path: Path):
     """The run's loaders pass rollout.max_prompt_len and the tokenizer: 3000-token prompts never reach the
     rollout when the limit is 32."""
     from megatron_dapo.config import load_config
-    from megatron_dapo.loop.state import load_train_prompts, load_val_prompts
+    from megatron_dapo.loop.prompts import load_train_prompts, load_val_prompts
 
     lines = [json.dumps({"question": "Q" * n, "answer": "#### 1"}) for n in (5, 3000, 8, 3000)]
     path = tmp_path / "gsm8k.jsonl"

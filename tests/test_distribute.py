@@ -37,30 +37,24 @@ def make_groups(n: int) -> list[Group]:
 def _rank(rank, world, port, tp, out_dir):
     from megatron_dapo import parallel
     from megatron_dapo.actor.batching import split_rows
-    from megatron_dapo.algo.train_batch import build_train_batch
+    from megatron_dapo.algo.advantages import group_advantages
+    from megatron_dapo.algo.train_batch import build_train_batch, group_rewards, overlong_weights
     from megatron_dapo.config import ParallelConfig
     from megatron_dapo.loop import distribute
-    from megatron_dapo.loop.collect import StepRollout
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     parallel.initialize(ParallelConfig(tensor_parallel=tp), seed=0)
     groups = make_groups(7)  # 7 groups, mini-batches of 1 x DP: trimmed to 6 (DP=2) or 7 (DP=1)
-    rollout = StepRollout(groups, None, generated=groups) if rank == 0 else None
-    got = distribute.step_rows(rollout, num_mini_batches=1, overlong_filtering=True, pad_id=0)
     kept = distribute.trainable(groups, 1)
-    want = split_rows(build_train_batch(kept, overlong_filtering=True, pad_id=0), parallel.dp_size())[parallel.dp_rank()]
+    batch = build_train_batch(kept, group_advantages(group_rewards(kept)), loss_weights=overlong_weights(kept))
+    got, moved = distribute.scatter(batch if rank == 0 else None)
+    want = split_rows(batch, parallel.dp_size())[parallel.dp_rank()]
     fields = ("input_ids", "loss_mask", "advantages", "lengths", "rollout_logprobs", "prompt_index", "response_mask")
-    same = {f: bool(torch.equal(getattr(got.batch, f), getattr(want, f))) for f in fields}
-    dtypes = {f: getattr(got.batch, f).dtype == getattr(want, f).dtype for f in fields}
-    # Dr. GRPO's advantages (not divided by the group std) travel the same way
-    centred = distribute.step_rows(rollout, num_mini_batches=1, overlong_filtering=True, pad_id=0,
-                                   scale_by_std=False)
-    want_centred = split_rows(build_train_batch(kept, overlong_filtering=True, pad_id=0, scale_by_std=False),
-                              parallel.dp_size())[parallel.dp_rank()]
-    same["centred_advantages"] = bool(torch.equal(centred.batch.advantages, want_centred.advantages)
-                                      and not torch.equal(centred.batch.advantages, want.advantages))
-    torch.save({"same": same, "dtypes": dtypes, "groups": got.groups_trained, "samples": got.samples_generated,
-                "total": got.bytes_total, "received": got.bytes_received, "max": distribute.max_received(got),
+    same = {f: bool(torch.equal(getattr(got, f), getattr(want, f))) for f in fields}
+    dtypes = {f: getattr(got, f).dtype == getattr(want, f).dtype for f in fields}
+    none, nothing = distribute.scatter(None)  # the driver has no batch: every rank learns it, nothing moves
+    torch.save({"same": same, "dtypes": dtypes, "rows": len(got), "none": none is None and not nothing.bytes_total,
+                "total": moved.bytes_total, "received": moved.bytes_received, "max": distribute.max_received(moved),
                 "dp": parallel.dp_size()}, Path(out_dir) / f"rank_{rank}.pt")
     parallel.destroy()
 
@@ -72,7 +66,7 @@ def test_each_rank_gets_its_rows(tmp_path, tp):
     dp = ranks[0]["dp"]
     for r in ranks:
         assert all(r["same"].values()) and all(r["dtypes"].values()), r
-        assert r["groups"] == (6 if dp == 2 else 7) and r["samples"] == 28
+        assert r["rows"] == (6 if dp == 2 else 7) * 4 // dp and r["none"]
     total = ranks[0]["total"]
     assert total > 0 and ranks[0]["received"] == 0 and ranks[1]["total"] == 0
     assert ranks[0]["max"] == ranks[1]["received"] == ranks[1]["max"]

@@ -142,7 +142,7 @@ def test_a_servers_non_finite_answer_is_refused(ids, logprobs, needle):
 
 def test_the_rollout_error_names_the_step_through_every_wrapper():
     from megatron_dapo.actor.actor import NonFiniteWeightsError
-    from megatron_dapo.loop.stream import RolloutStepError
+    from megatron_dapo.rollout.step.streaming import RolloutStepError
     from megatron_dapo.rollout.engine_group import EngineGroupError
     from megatron_dapo.train import rollout_logits_checked
 

@@ -1,7 +1,7 @@
 """Partial rollout. On the embedded engine an aborted stream reports each cancelled group's samples so far,
 and resubmitting them (`GroupRequest.resume`) continues every response exactly where it stopped: the
 finished responses are those of a stream that was never aborted (tokens identical, logprobs to 1e-5).
-Then the loop (loop/stream.py): a step hands its aborted groups to the next, token accounting, the
+Then the loop (rollout/step/streaming.py): a step hands its aborted groups to the next, token accounting, the
 checkpointed carry, config checks. Then SGLang's stream against a scripted server: aborted responses come
 back with their logprobs and continue from where they stopped (tests/test_rollout_sglang_streaming.py
 runs it on the real server)."""
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from megatron_dapo.config import AlgoConfig, ConfigError, load_config, validate
-from megatron_dapo.loop.collect import seed_of
-from megatron_dapo.loop.stream import StreamPlan, carry_state, load_carry, rollout_cost_scalars, stream_groups
+from megatron_dapo.rollout.step.carry import PartialCarry
+from megatron_dapo.rollout.step.seeds import seed_of
+from megatron_dapo.rollout.step.streaming import StreamPlan, stream_groups
 from megatron_dapo.rollout import EmbeddedEngine, SamplingParams
 from megatron_dapo.rollout.base import GroupRequest, RolloutStream
 from megatron_dapo.tiny import tiny_model
@@ -185,21 +186,21 @@ def test_the_next_step_continues_the_aborted_groups(engine):
                 same(s, ref)
     finished = sum(s.response_len for g in two.generated for s in g.samples)
     assert two.stream.generated_tokens == finished + two.stream.carried_tokens - one.stream.carried_tokens
-    costs = rollout_cost_scalars(two, AlgoConfig())
+    costs = two.cost()
     assert costs["rollout/resumed_groups"] == len(one.carry) and costs["rollout/wasted_tokens"] == 0.0
 
 
 def test_without_partial_rollout_nothing_is_carried(engine):
     plan = StreamPlan(target_groups=3, first=6, max_inflight=8, max_groups=40)
     out = stream_groups(engine, source(0), score, plan)
-    assert out.carry == [] and out.stream.aborted_groups > 0 and out.stream.wasted_tokens > 0
-    assert "rollout/carried_groups" not in rollout_cost_scalars(out, AlgoConfig())
+    assert not out.carry and out.stream.aborted_groups > 0 and out.stream.wasted_tokens > 0
+    assert "rollout/carried_groups" not in out.cost()
 
 
 def test_the_carry_survives_a_checkpoint(engine):
     plan = StreamPlan(target_groups=3, first=6, max_inflight=8, max_groups=40, partial=True)
     carry = stream_groups(engine, source(0), score, plan).carry
-    back = load_carry(json.loads(json.dumps(carry_state(carry))))
+    back = PartialCarry.from_state(json.loads(json.dumps(carry.state_dict())))
     assert back == carry
 
 
@@ -221,14 +222,14 @@ def test_a_group_is_carried_at_most_max_carry_steps(engine, max_carry_steps, dro
     plan = StreamPlan(target_groups=1, first=2, max_inflight=2, max_groups=10, partial=True,
                       max_carry_steps=max_carry_steps)
     one = stream_groups(engine, long_then_short(0), score, plan)
-    assert [p.uid for p, _ in one.carry] == ["s/0"] and one.carry[0][1].carried_steps == 1
+    assert [p.uid for p, _ in one.carry] == ["s/0"] and one.carry.groups[0][1].carried_steps == 1
     two = stream_groups(engine, long_then_short(100), score, plan, one.carry)
     assert [g.prompt.uid for g in two.groups] == ["s/101"] and two.stream.aborted_groups == 1
     long_total = one.stream.carried_tokens + two.stream.generated_tokens - 2 * 2  # less the fresh group's
     assert 0 < one.stream.carried_tokens < long_total < 2 * 40
-    costs = rollout_cost_scalars(two, AlgoConfig())
+    costs = two.cost()
     if dropped:
-        assert two.carry == [] and two.stream.dropped_stale_groups == 1
+        assert not two.carry and two.stream.dropped_stale_groups == 1
         assert two.stream.wasted_tokens == long_total
         assert costs["rollout/dropped_stale_groups"] == 1.0
     else:
@@ -240,10 +241,10 @@ def test_a_group_is_carried_at_most_max_carry_steps(engine, max_carry_steps, dro
 
 def test_a_checkpoint_from_before_carried_steps_loads_as_never_carried(engine):
     plan = StreamPlan(target_groups=3, first=6, max_inflight=8, max_groups=40, partial=True)
-    state = carry_state(stream_groups(engine, source(0), score, plan).carry)
+    state = stream_groups(engine, source(0), score, plan).carry.state_dict()
     for item in state:
         del item["request"]["carried_steps"]
-    assert {r.carried_steps for _, r in load_carry(state)} == {0}
+    assert {r.carried_steps for _, r in PartialCarry.from_state(state)} == {0}
 
 
 def test_partial_rollout_needs_streaming():

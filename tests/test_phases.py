@@ -1,4 +1,4 @@
-"""The colocation protocol (loop/phases.py + loop/phase_model.py): the order in which the actor and the
+"""The colocation protocol (loop/phases.py + loop/colocation.py): the order in which the actor and the
 engine move, the phase ledger of a real colocated CPU run (actor asleep in generate, engine released in
 train, engine weights without KV in sync), and the planner's phases, which read the same phase model.
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_dapo.loop import phases as phases_mod
-from megatron_dapo.loop.phase_model import ACTOR_STATE, phase_model
+from megatron_dapo.loop.colocation import ACTOR_STATE, phase_model
 from megatron_dapo.offload import HostOffload, device_bytes
 from megatron_dapo.rollout.base import EngineStateError, SamplingParams
 from megatron_dapo.rollout.embedded import EmbeddedEngine

@@ -1,4 +1,4 @@
-"""Off-policy pipelining (`rollout.async_steps=1`, loop/pipeline.py): the fixed k=1 schedule, real overlap,
+"""Off-policy pipelining (`rollout.async_steps=1`, rollout/step/pipeline.py): the fixed k=1 schedule, real overlap,
 the recorded policy versions, staleness dropping, the pending batch in checkpoints, exact resume, the
 config's refusals; the synchronous loop keeps its own (no staleness monitors, no correction by default)."""
 
@@ -14,9 +14,10 @@ from test_train import TAGS, kill_job_at, run_train, scalars, train_cmd
 
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats
 from megatron_dapo.config import Config, ConfigError, validate
-from megatron_dapo.loop.collect import StepRollout, stamp
-from megatron_dapo.loop.pipeline import RolloutPipeline, drop_stale, load_rollout, rollout_state, staleness_scalars
-from megatron_dapo.loop.stream import StreamRollout, StreamStats
+from megatron_dapo.rollout.step.carry import PartialCarry
+from megatron_dapo.rollout.step.pipeline import RolloutPipeline
+from megatron_dapo.rollout.step.result import StepRollout, StreamRollout, StreamStats, load_rollout, rollout_state
+from megatron_dapo.rollout.step.versions import drop_stale, stamp, staleness_scalars
 from megatron_dapo.rollout.base import GroupRequest, SamplingParams
 from megatron_dapo.types import Group, Prompt, Sample
 
@@ -120,10 +121,9 @@ def test_groups_older_than_the_bound_are_dropped_and_counted():
     """At step 7 the actor has made 6 updates; with async_steps=1 a group whose oldest token came from the
     weights after step 4 (2 updates behind) is dropped, one from step 5 is trained (staleness 1)."""
     fresh, old = group("a", 5, 5), group("b", 5, 4)
-    rollout = StepRollout([fresh, old], DynamicSamplingStats(1, 2, 2, 1.0, False), [fresh, old])
-    dropped = drop_stale(rollout, actor_version=6, max_staleness=1)
-    assert dropped == 1 and rollout.groups == [fresh]
-    assert staleness_scalars(rollout, 6, dropped) == {"rollout/staleness_mean": 1.0, "rollout/staleness_max": 1.0,
+    kept, dropped = drop_stale([fresh, old], actor_version=6, max_staleness=1)
+    assert dropped == 1 and kept == [fresh]
+    assert staleness_scalars(kept, 6, dropped) == {"rollout/staleness_mean": 1.0, "rollout/staleness_max": 1.0,
                                                       "rollout/dropped_stale_groups": 1.0}
 
 
@@ -137,12 +137,12 @@ def test_a_pending_stream_batch_survives_json_exactly():
     r = StreamRollout(groups=[kept], stats=DynamicSamplingStats(1, 2, 1, 0.5, False), generated=[other, kept],
                       reward_seconds=0.1, generate_seconds=1 / 3, reward_failures=1,
                       stream=StreamStats(submitted=3, aborted_groups=1, first_kept_s=float("nan")),
-                      carry=[(Prompt("c", ({"role": "user", "content": "c"},), "2"), req)])
+                      wasted_tokens=0, carry=PartialCarry([(Prompt("c", ({"role": "user", "content": "c"},), "2"), req)]))
     back = load_rollout(json.loads(json.dumps(rollout_state(r))))
     assert isinstance(back, StreamRollout)
     assert back.generated == r.generated and back.groups[0] is back.generated[1]
     assert back.stats == r.stats and back.generate_seconds == r.generate_seconds
-    assert back.carry[0][1].resume[0].versions == [(0, 3)] and back.carry == r.carry
+    assert back.carry.groups[0][1].resume[0].versions == [(0, 3)] and back.carry == r.carry
     assert back.stream.submitted == 3 and back.stream.first_kept_s != back.stream.first_kept_s  # NaN kept
 
 

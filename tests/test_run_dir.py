@@ -136,7 +136,7 @@ def test_resume_auto_sets_a_corrupt_newest_aside(tmp_path):
 
 def test_config_changes_name_what_differs():
     from megatron_dapo.config import Config, to_dict
-    from megatron_dapo.loop.state import config_changes
+    from megatron_dapo.config import config_changes
 
     a, b = to_dict(Config()), to_dict(Config())
     b["train"]["seed"], b["algo"]["eps_high"] = 2, 0.3

@@ -1,4 +1,4 @@
-"""Dynamic sampling on the stream (loop/stream.py): stop at N, abort the rest, budgets, failures, monitors,
+"""Dynamic sampling on the stream (rollout/step/streaming.py): stop at N, abort the rest, budgets, failures, monitors,
 determinism; the rounds path (rollout.streaming=false) is bit-for-bit the pre-streaming code; the trainer
 with streaming on (monitors, SIGKILL + resume replays exactly)."""
 
@@ -13,14 +13,11 @@ from test_train import TAGS, kill_job_at, run_train, scalars, train_cmd
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats
 from megatron_dapo.config import AlgoConfig, ConfigError, RewardConfig, load_config, validate
 from megatron_dapo.data.arithmetic import make_arithmetic_prompts
-from megatron_dapo.loop.collect import StepRollout, collect_step, seed_of
-from megatron_dapo.loop.stream import (
-    RolloutStepError,
-    StreamPlan,
-    StreamRollout,
-    rollout_cost_scalars,
-    stream_groups,
-)
+from megatron_dapo.rollout.step.result import StepRollout, StreamRollout
+from megatron_dapo.rollout.step.rounds import collect_rounds, surplus_tokens
+from megatron_dapo.rollout.step.scoring import rendered, score_group
+from megatron_dapo.rollout.step.seeds import seed_of
+from megatron_dapo.rollout.step.streaming import RolloutStepError, StreamPlan, stream_groups
 from megatron_dapo.reward.scorer import Scorer
 from megatron_dapo.rollout import EmbeddedEngine, SamplingParams
 from megatron_dapo.rollout.base import AbortReport, GroupRequest, GroupResult
@@ -188,10 +185,10 @@ def test_the_aborted_started_samples_mean_length_is_a_monitor():
     out = stream_groups(ScriptedEngine({2: [10, 0], 3: [6, 4]}), every, score, plan(target_groups=2))
     assert len(out.groups) == 2 and out.stream.aborted_groups == 2 and out.stream.wasted_tokens == 20
     assert out.stream.aborted_response_len == 20 / 3  # 10, 6 and 4: the sample not started is left out
-    assert rollout_cost_scalars(out, AlgoConfig())["rollout/aborted_response_len"] == 20 / 3
+    assert out.cost()["rollout/aborted_response_len"] == 20 / 3
     blind = stream_groups(ScriptedEngine(), every, score, plan(target_groups=2))  # no samples reported
     assert math.isnan(blind.stream.aborted_response_len)
-    assert "rollout/aborted_response_len" not in rollout_cost_scalars(blind, AlgoConfig())
+    assert "rollout/aborted_response_len" not in blind.cost()
 
 
 def test_rounds_monitors_count_the_trimmed_surplus():
@@ -201,16 +198,17 @@ def test_rounds_monitors_count_the_trimmed_surplus():
         return Group(prompt=Prompt(uid=uid, messages=(), ground_truth="1"), samples=samples)
 
     kept, surplus, useless = group("a", True, 3), group("b", True, 5), group("c", False, 7)
-    rollout = StepRollout(groups=[kept], stats=DynamicSamplingStats(1, 3, 2, 2 / 3, False),
-                          generated=[kept, surplus, useless])
-    assert rollout_cost_scalars(rollout, AlgoConfig()) == {
+    generated = [kept, surplus, useless]
+    wasted = surplus_tokens(generated, [kept], AlgoConfig())
+    rollout = StepRollout(groups=[kept], stats=DynamicSamplingStats(1, 3, 2, 2 / 3, False), generated=generated,
+                          wasted_tokens=wasted)
+    assert rollout.cost() == {
         "rollout/aborted_groups": 0.0, "rollout/wasted_tokens": 10.0, "rollout/generated_tokens": 30.0}
-    off = AlgoConfig(dynamic_sampling=False)
-    assert rollout_cost_scalars(rollout, off)["rollout/wasted_tokens"] == 24.0
+    assert surplus_tokens(generated, [kept], AlgoConfig(dynamic_sampling=False)) == 24
 
 
 def test_rounds_path_is_bit_for_bit_the_pre_streaming_code():
-    """collect_step (rollout.streaming=false) on a fixed model and seed: the token digest measured with the
+    """collect_rounds (rollout.streaming=false) on a fixed model and seed: the token digest measured with the
     code before streaming existed (commit b445368), for both decoders."""
     from megatron_dapo.tiny.tokenizer import build_char_tokenizer
 
@@ -218,10 +216,11 @@ def test_rounds_path_is_bit_for_bit_the_pre_streaming_code():
     for fast in (True, False):
         prompts = iter(make_arithmetic_prompts(100, seed=0))
         engine = EmbeddedEngine(tiny_model("qwen2", seed=0, vocab_size=len(tok)), fast_path=fast)
-        out = collect_step(engine, tok, lambda k: [next(prompts) for _ in range(k)], target_groups=3,
-                           algo=AlgoConfig(group_size=4, max_gen_rounds=3),
-                           scorer=Scorer(RewardConfig(overlong_cache_len=4), max_response_len=12), sampling=lambda r: SamplingParams(
-                               max_new_tokens=12, stop_token_ids=(1,), seed=seed_of(1, "train", 0, r)))
+        scorer = Scorer(RewardConfig(overlong_cache_len=4), max_response_len=12)
+        out = collect_rounds(engine, lambda: rendered(tok, next(prompts)), lambda g: score_group(g, tok, scorer),
+                             lambda r: SamplingParams(max_new_tokens=12, stop_token_ids=(1,),
+                                                      seed=seed_of(1, "train", 0, r)),
+                             algo=AlgoConfig(group_size=4, max_gen_rounds=3), target_groups=3)
         h = hashlib.sha256()
         for g in out.generated:
             for s in g.samples:

@@ -10,8 +10,8 @@ Every step needs N informative groups of G samples. Workloads (the lengths measu
   --eos-scale: lengths depend on prompt and sample, a few responses run to the limit.
 Prompt i has a difficulty p_i in {0.03, 0.5, 0.97}; a sample is "correct" when a hash of (prompt, response)
 falls below p_i: informativeness does not depend on length (kept fraction ~0.47). Each step, every mode gets
-the same prompts, in alternating order. "rounds" is loop/collect.py's loop (a blocking generate per round),
-"streaming" loop/stream.py's `stream_groups`, "partial" that with partial rollout.
+the same prompts, in alternating order. "rounds" is the trainer's rounds collector (rollout/step/rounds.py: a blocking generate per round),
+"streaming" its stream collector (rollout/step/streaming.py), "partial" that with partial rollout.
 wall_s: the steps' rollout time; wasted_tokens: surplus groups trimmed (rounds) or aborted groups' tokens;
 kept_response_len / kept_truncated_frac: how far streaming favours groups that finish early; prefill_tokens:
 positions prefilled (embedded: padding included; SGLang: its #new-token; partial rollout prefills each
@@ -33,12 +33,13 @@ from pathlib import Path
 
 import torch
 
-from megatron_dapo.algo.dynamic_sampling import DynamicSampler, is_informative
 from megatron_dapo.benchmark import ForwardCounter
 from megatron_dapo.config import AlgoConfig, RolloutConfig, SGLangConfig
-from megatron_dapo.loop.collect import seed_of
-from megatron_dapo.loop.stream import StreamPlan, stream_groups
-from megatron_dapo.rollout.base import GroupRequest, RolloutEngine, SamplingParams
+from megatron_dapo.rollout.base import RolloutEngine, SamplingParams
+from megatron_dapo.rollout.step.carry import PartialCarry
+from megatron_dapo.rollout.step.rounds import collect_rounds
+from megatron_dapo.rollout.step.seeds import seed_of
+from megatron_dapo.rollout.step.streaming import StreamPlan, collect_stream
 from megatron_dapo.tiny import tiny_model
 from megatron_dapo.types import Group, Prompt
 
@@ -132,40 +133,23 @@ def sampling(args: argparse.Namespace, *key) -> SamplingParams:
 
 
 def rounds(engine: RolloutEngine, prompts: Iterator, algo: AlgoConfig, args, step: int,
-           carry: list) -> tuple[list, list]:
-    """loop/collect.py's collect_step with this benchmark's prompts and score."""
-    sampler = DynamicSampler(args.groups, algo.max_gen_rounds, algo.on_rounds_exhausted,
-                             metric=algo.filter_metric)
-    first, generated, r = math.ceil(args.groups * algo.gen_batch_multiplier), [], 0
-    while not sampler.done:
-        batch = [next(prompts) for _ in range(sampler.next_round_size(first))]
-        out = engine.generate([ids for _, ids in batch], args.group_size, sampling(args, "rounds", step, r))
-        groups = [Group(prompt=p, samples=s) for (p, _), s in zip(batch, out)]
-        r += 1
-        for group in groups:
-            score(group)
-        generated += groups
-        sampler.add_round(groups)
-    kept, _ = sampler.finish()
-    ids = {id(g) for g in kept}
-    surplus = [g for g in generated if id(g) not in ids and is_informative(g)]
-    wasted = sum(s.response_len for g in surplus for s in g.samples)
-    return kept, [sum(s.response_len for g in generated for s in g.samples), wasted]
+           carry: PartialCarry) -> tuple[list, list]:
+    """The trainer's rounds collector with this benchmark's prompts and score."""
+    out = collect_rounds(engine, lambda: next(prompts), score, lambda r: sampling(args, "rounds", step, r),
+                         algo=algo, target_groups=args.groups)
+    return out.groups, [int(out.cost()["rollout/generated_tokens"]), out.wasted_tokens]
 
 
 def streaming(engine: RolloutEngine, prompts: Iterator, algo: AlgoConfig, args,
-              step: int, carry: list | None = None) -> tuple[list, list]:
-    """`carry` (a list, partial rollout): the previous step's aborted groups in, this step's out."""
-    def request(g: int) -> tuple[Prompt, GroupRequest]:
-        prompt, ids = next(prompts)
-        return prompt, GroupRequest(key=g, prompt_ids=ids, n=args.group_size,
-                                    sampling=sampling(args, "stream", step, g))
-
+              step: int, carry: PartialCarry | None = None) -> tuple[list, list]:
+    """The trainer's stream collector; `carry` (partial rollout): the previous step's aborted groups in, this
+    step's out."""
     plan = StreamPlan.from_config(algo, args.groups, args.max_inflight_groups, partial=carry is not None,
                                   max_carry_steps=args.max_carry_steps)
-    out = stream_groups(engine, request, score, plan, carry or [])
+    out = collect_stream(engine, lambda: next(prompts), score, lambda g: sampling(args, "stream", step, g), plan,
+                         group_size=algo.group_size, carry=carry)
     if carry is not None:
-        carry[:] = out.carry
+        carry.groups = out.carry.groups
     return out.groups, [out.stream.generated_tokens, out.stream.wasted_tokens]
 
 
@@ -175,7 +159,7 @@ MODES: dict[str, Callable] = {"rounds": rounds, "streaming": lambda *a, carry: s
 
 def compare(engine_name: str, engine: RolloutEngine, weights: list, args: argparse.Namespace) -> list[dict]:
     algo = AlgoConfig(group_size=args.group_size, gen_batch_multiplier=args.gen_batch_multiplier)
-    carries: dict[str, list] = {m: [] for m in MODES}
+    carries = {m: PartialCarry() for m in MODES}
     totals = {m: {"kept": 0, "wall": 0.0, "tokens": 0, "wasted": 0, "passes": 0, "prefill": 0, "lens": [],
                   "cut": []} for m in MODES}
     counter = ForwardCounter(engine)

@@ -1,31 +1,41 @@
-"""Groups of scored samples -> the padded token tensors the actor trains on (plain torch)."""
+"""Scored groups -> the padded token tensors the actor trains on (plain torch), one box of Algorithm 1 each:
+the groups' rewards, the overlong filter's per-sample loss weights, and the rows themselves."""
 
 from __future__ import annotations
 
 import torch
 
-from megatron_dapo.algo.advantages import group_advantages
 from megatron_dapo.reward.overlong import overlong_filter_mask
 from megatron_dapo.types import Group, TrainBatch
 
 
-def build_train_batch(groups: list[Group], *, overlong_filtering: bool, pad_id: int = 0,
-                      scale_by_std: bool = True) -> TrainBatch:
-    """One row per sample, group by group. loss_mask covers the response tokens; with overlong
-    filtering, truncated responses (finish reason "length") are masked out entirely. `scale_by_std`:
-    group_advantages' switch (False for Dr. GRPO)."""
+def group_rewards(groups: list[Group]) -> torch.Tensor:
+    """[num_groups, G] float32: the reward of every sample, one row per prompt (group_advantages' input)."""
+    return torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+
+
+def overlong_weights(groups: list[Group]) -> list[float]:
+    """DAPO's overlong filtering: 0.0 for a truncated sample (finish reason "length"), 1.0 otherwise."""
+    return overlong_filter_mask([s.truncated for g in groups for s in g.samples])
+
+
+def build_train_batch(groups: list[Group], advantages: torch.Tensor, *, loss_weights: list[float] | None = None,
+                      pad_id: int = 0) -> TrainBatch:
+    """One row per sample, group by group. `advantages`: [num_groups, G] (or flat), one per sample; loss_mask
+    covers the response tokens, times the sample's `loss_weights` entry (overlong filtering; default 1)."""
     if not groups:
         raise ValueError("build_train_batch needs at least one group")
     samples = [s for g in groups for s in g.samples]
-    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-    advantages = group_advantages(rewards, scale_by_std=scale_by_std).reshape(-1)
+    advantages = advantages.reshape(-1)
+    if advantages.numel() != len(samples):
+        raise ValueError(f"{advantages.numel()} advantages for {len(samples)} samples")
+    keep = [1.0] * len(samples) if loss_weights is None else loss_weights
     lengths = torch.tensor([len(s.prompt_ids) + s.response_len for s in samples])
     width = int(lengths.max())
     ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(samples), width)
     rollout_lp = torch.zeros(len(samples), width)
     generated = torch.zeros(len(samples), width)
-    keep = overlong_filter_mask([s.truncated for s in samples]) if overlong_filtering else [1.0] * len(samples)
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), s.response_len
         ids[i, :p + r] = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
@@ -35,4 +45,3 @@ def build_train_batch(groups: list[Group], *, overlong_filtering: bool, pad_id: 
     prompt_index = torch.arange(len(groups)).repeat_interleave(torch.tensor([len(g.samples) for g in groups]))
     return TrainBatch(input_ids=ids, loss_mask=mask, advantages=advantages, lengths=lengths,
                       rollout_logprobs=rollout_lp, prompt_index=prompt_index, response_mask=generated)
-

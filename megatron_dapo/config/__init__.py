@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_dapo.config.loading import CliText, apply_delta, load_config, parse_override, to_dict, to_yaml
+from megatron_dapo.config.loading import (
+    CliText, apply_delta, config_changes, load_config, parse_override, to_dict, to_yaml)
 from megatron_dapo.config.schema import (
     ActorConfig,
     AlgoConfig,
@@ -42,7 +43,7 @@ __all__ = [
     "DataConfig", "EvalConfig",
     "FilterMetric", "LoggingConfig", "LossAggMode", "ModelConfig", "OnExhausted", "OptimizerConfig",
     "ParallelConfig", "RewardConfig", "RolloutConfig", "SGLangConfig", "TrainConfig", "WandbConfig",
-    "apply_delta", "build_parser", "data_parallel_size", "load_config", "main", "parse_override", "to_dict", "to_yaml",
+    "apply_delta", "build_parser", "config_changes", "data_parallel_size", "load_config", "main", "parse_override", "to_dict", "to_yaml",
     "validate",
 ]
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import yaml
 
+from megatron_dapo.config.ranges import may_change_on_resume
 from megatron_dapo.config.schema import Config, ConfigError
 from megatron_dapo.config.validation import validate
 
@@ -175,3 +176,15 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, width=100)
+
+
+def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """`key: saved -> now` for every setting that differs, except those a resumed run may change."""
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        dotted, a, b = f"{prefix}{key}", saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, dotted + ".")
+        elif a != b and not may_change_on_resume(Config(), dotted):
+            out.append(f"{dotted}: {a!r} -> {b!r}")
+    return out

@@ -148,11 +148,11 @@ class RolloutConfig:
         """The bucket size this config's weight transport uses, in MiB."""
         return self.weight_sync_bucket_mb or DEFAULT_BUCKET_MB[self.sglang.weight_sync]
     streaming: bool = True
-    """Streaming rollout (loop/stream.py): groups are scored as each finishes, the stream is kept topped
+    """Streaming rollout (rollout/step/streaming.py): groups are scored as each finishes, the stream is kept topped
     up (algo.gen_batch_multiplier x missing / kept fraction in flight), and the step stops at N informative
     groups, aborting the rest. It keeps the groups that finish first, so its responses run shorter than
     the rounds' when lengths have a long tail (partial_rollout continues the aborted ones instead).
-    false = the paper's Algorithm 1 exactly: synchronous rounds (loop/collect.py)."""
+    false = the paper's Algorithm 1 exactly: synchronous rounds (rollout/step/rounds.py)."""
     max_inflight_groups: int = knob(0, "[0, inf)", "0 = automatic")
     """Streaming: at most this many groups submitted and unfinished (0 = 2 x ceil(N x
     gen_batch_multiplier))."""
@@ -165,7 +165,7 @@ class RolloutConfig:
     most this many policy updates stale; one still unfinished after that is dropped when the step aborts
     it (rollout/dropped_stale_groups; its tokens count as wasted). 0 = no bound."""
     async_steps: int = knob(0, "[0, 1]", "0 = synchronous")
-    """Off-policy pipelining (loop/pipeline.py), with the engine on its own devices (colocate=false):
+    """Off-policy pipelining (rollout/step/pipeline.py), with the engine on its own devices (colocate=false):
     1 = while the actor trains step s, the engine generates step s+1's batch from the weights after step
     s-1; the new weights reach it at the batch boundary. A trained group is then one policy version old
     (rollout/staleness_*); older ones (partial rollout's carried groups) are dropped and counted. π_old is

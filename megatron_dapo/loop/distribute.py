@@ -1,11 +1,12 @@
-"""Getting the driver's rollout to the ranks that train on it: each data-parallel rank receives only its
-rows, as tensors, and shares them with the tensor/pipeline peers of its replica.
+"""Getting the driver's train batch to the ranks that train on it: each data-parallel rank receives only its
+rows, as tensors, and shares them with the tensor/pipeline peers of its replica. Pure transport: the
+driver built the batch (train.py; the advantages need whole groups, `trainable` trims them to whole
+mini-batches on every DP rank).
 
-The driver (global rank 0) trims the kept groups to whole mini-batches, builds the train batch (the
-advantages need whole groups) and splits its rows into DP contiguous, equal shares. A small header
-goes to every rank (groups trained, samples generated, the shares' shape); then share d goes point
-to point to the first rank of DP replica d, which broadcasts it inside its model-parallel group.
-Every share has the batch's width, so each rank receives total / DP bytes (plus the header).
+The driver splits the rows into DP contiguous, equal shares. A small header goes to every rank (the
+shares' shape); then share d goes point to point to the first rank of DP replica d, which broadcasts it
+inside its model-parallel group. Every share has the batch's width, so each rank receives total / DP
+bytes (plus the header).
 """
 
 from __future__ import annotations
@@ -17,24 +18,22 @@ import torch.distributed as dist
 
 from megatron_dapo import parallel
 from megatron_dapo.actor.batching import split_rows
-from megatron_dapo.algo.train_batch import build_train_batch
-from megatron_dapo.loop.collect import StepRollout
 from megatron_dapo.types import Group, TrainBatch
 
 
 @dataclass
-class StepRows:
-    """What one rank gets of the step's rollout."""
+class Transfer:
+    """What one scatter moved."""
 
-    batch: TrainBatch | None
-    """This DP rank's rows (None when the step trains nothing)."""
-    groups_trained: int
-    samples_generated: int
-    """Samples the driver generated this step (for the rollout budget, which every rank checks)."""
     bytes_total: int = 0
     """Bytes of the step's training rows, all shares (driver only; 0 elsewhere)."""
     bytes_received: int = 0
     """Bytes this rank received (header + its share; 0 on the driver)."""
+
+    def scalars(self) -> dict[str, float]:
+        """perf/rollout_bytes_total and perf/rollout_bytes_max_recv (the most any rank received: a collective)."""
+        return {"perf/rollout_bytes_total": float(self.bytes_total),
+                "perf/rollout_bytes_max_recv": float(max_received(self))}
 
 
 def trainable(groups: list[Group], num_mini_batches: int) -> list[Group]:
@@ -66,33 +65,22 @@ def nbytes(parts: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in parts)
 
 
-def step_rows(rollout: StepRollout | None, *, num_mini_batches: int, overlong_filtering: bool,
-              pad_id: int, scale_by_std: bool = True) -> StepRows:
-    """Collective over all ranks; `rollout` on the driver only. Returns this rank's rows (advantages
-    divided by the group std unless `scale_by_std` is False: the policy loss's choice)."""
-    shares: list[list[torch.Tensor]] = []
-    if rollout is not None:
-        groups = trainable(rollout.groups, num_mini_batches)
-        samples = sum(len(g.samples) for g in rollout.generated)
-        if groups:
-            batch = build_train_batch(groups, overlong_filtering=overlong_filtering, pad_id=pad_id,
-                                      scale_by_std=scale_by_std)
-            shares = [pack(s) for s in split_rows(batch, parallel.dp_size())]
-        header = torch.tensor([len(groups), samples, *(shares[0][0].shape if shares else (0, 0))])
-    else:
-        header = torch.zeros(4, dtype=torch.long)
+def scatter(batch: TrainBatch | None) -> tuple[TrainBatch | None, Transfer]:
+    """Collective over all ranks; `batch` on the driver only (None there: the step trains nothing).
+    Returns this rank's rows (None everywhere when the driver has none) and what moved."""
+    shares = [pack(s) for s in split_rows(batch, parallel.dp_size())] if batch is not None else []
+    total = sum(map(nbytes, shares))
     if parallel.world_size() == 1:
-        return StepRows(unpack(shares[0]) if shares else None, int(header[0]), int(header[1]),
-                        bytes_total=sum(map(nbytes, shares)))
+        return (unpack(shares[0]) if shares else None), Transfer(bytes_total=total)
+    header = torch.tensor(shares[0][0].shape if shares else (0, 0), dtype=torch.long)
     dist.broadcast(header, src=0)
     received = 0 if parallel.is_main() else header.numel() * header.element_size()
-    groups_trained, samples, rows, width = header.tolist()
-    if not groups_trained:
-        return StepRows(None, 0, samples, bytes_received=received)
+    rows, width = header.tolist()
+    if not rows:
+        return None, Transfer(bytes_received=received)
     mine = _deliver(shares, rows, width)
     received += 0 if parallel.is_main() else nbytes(mine)
-    return StepRows(unpack(mine), groups_trained, samples, bytes_total=sum(map(nbytes, shares)),
-                    bytes_received=received)
+    return unpack(mine), Transfer(bytes_total=total, bytes_received=received)
 
 
 def _deliver(shares: list[list[torch.Tensor]], rows: int, width: int) -> list[torch.Tensor]:
@@ -119,10 +107,10 @@ def _deliver(shares: list[list[torch.Tensor]], rows: int, width: int) -> list[to
     return parts
 
 
-def max_received(step: StepRows) -> int:
-    """The most bytes any rank received for this step (a collective)."""
+def max_received(moved: Transfer) -> int:
+    """The most bytes any rank received in this transfer (a collective)."""
     if parallel.world_size() == 1:
         return 0
-    t = torch.tensor([step.bytes_received], dtype=torch.long)
+    t = torch.tensor([moved.bytes_received], dtype=torch.long)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t)

@@ -1,6 +1,6 @@
 """Evaluation with k samples per prompt: avg@k, pass@k and maj@k, one JSON record per prompt.
 
-The in-training validation (`collect.evaluate`) and `python -m megatron_dapo.evaluate` both run
+The in-training validation (`validate`) and `python -m megatron_dapo.evaluate` both run
 `generate_and_score` + `EvalResult`, so a number from one means the same as from the other. Generation
 streams (the engine's `RolloutStream`: continuous batching on the embedded engine, one request per group
 on SGLang): every group is scored as soon as its k samples are done and reported to a progress callback.
@@ -17,14 +17,18 @@ Prompt i draws from its own seed, so its samples do not depend on what finishes 
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_dapo.data.render import decode_response, render_prompt_ids
+from megatron_dapo.config import Config
+from megatron_dapo.data.render import render_prompt_ids
 from megatron_dapo.reward.scorer import Scorer
 from megatron_dapo.rollout.base import GroupRequest, RolloutEngine, SamplingParams
+from megatron_dapo.rollout.step.scoring import score_group
+from megatron_dapo.rollout.step.seeds import sampling_params
 from megatron_dapo.types import Group, Prompt, Sample
 
 
@@ -51,19 +55,6 @@ def majority(samples: Sequence[Sample]) -> tuple[str | None, bool]:
     return pred, any(s.acc for s in samples if s.pred == pred)
 
 
-def score_group(group: Group, tokenizer: Any, scorer: Scorer) -> None:
-    """Decode every response of the group and score it in place (reward, acc, pred)."""
-    for s in group.samples:
-        s.response_text = decode_response(tokenizer, s.response_ids)
-        scorer.score(s, group.prompt.ground_truth)
-
-
-def generate_groups(engine: RolloutEngine, tokenizer: Any, prompts: Sequence[Prompt], n: int,
-                    sampling: SamplingParams) -> list[Group]:
-    ids = [render_prompt_ids(tokenizer, p) for p in prompts]
-    return [Group(prompt=p, samples=s) for p, s in zip(prompts, engine.generate(ids, n, sampling))]
-
-
 def generate_and_score(engine: RolloutEngine, tokenizer: Any, prompts: Sequence[Prompt], n: int,
                        sampling: Callable[[int], SamplingParams], scorer: Scorer, *,
                        on_group: Callable[[Group], None] | None = None) -> list[Group]:
@@ -83,6 +74,15 @@ def generate_and_score(engine: RolloutEngine, tokenizer: Any, prompts: Sequence[
             if on_group is not None:
                 on_group(group)
     return [done[i] for i in range(len(prompts))]
+
+
+def validate(engine: RolloutEngine, tokenizer: Any, prompts: list[Prompt], cfg: Config, eos_ids: tuple[int, ...],
+             scorer: Scorer) -> EvalResult:
+    """k = eval.n_samples scored samples per validation prompt (eval temperature / top-p, prompt i's seed)."""
+    t0 = time.perf_counter()
+    groups = generate_and_score(engine, tokenizer, prompts, cfg.eval.n_samples,
+                                lambda i: sampling_params(cfg, eos_ids, "eval", i), scorer)
+    return EvalResult(groups, cfg.eval.n_samples, seconds=time.perf_counter() - t0)
 
 
 @dataclass
@@ -128,17 +128,6 @@ class EvalResult:
                 "responses": [{"response": s.response_text, "pred": s.pred, "acc": s.acc, "reward": s.reward,
                                "length": s.response_len, "finish_reason": s.finish_reason} for s in g.samples]})
         return rows
-
-
-def sample_records(groups: Sequence[Group], tokenizer: Any, limit: int, step: int, split: str) -> list[dict[str, Any]]:
-    """Up to `limit` samples for a human to read, spread over groups (sample i of every group, then i+1)."""
-    width = max((len(g.samples) for g in groups), default=0)
-    picked = [(g, g.samples[i]) for i in range(width) for g in groups if i < len(g.samples)][:max(limit, 0)]
-    return [{"step": step, "split": split, "uid": g.prompt.uid,
-             "prompt": tokenizer.decode(list(s.prompt_ids), skip_special_tokens=False),
-             "response": s.response_text, "ground_truth": g.prompt.ground_truth, "pred": s.pred,
-             "reward": s.reward, "acc": bool(s.acc), "length": s.response_len, "finish_reason": s.finish_reason}
-            for g, s in picked]
 
 
 def _mean(values: list[float]) -> float:

@@ -1,7 +1,7 @@
 """The colocation protocol of the hybrid engine, in one place: which side holds the devices when.
 
 Rank 0's rollout engine and every rank's actor share the devices (`rollout.colocate`). The phases
-(loop/phase_model.py, also read by the planner): generate (engine awake; the actor's weights, grads
+(loop/colocation.py, also read by the planner): generate (engine awake; the actor's weights, grads
 and optimizer state in host memory when actor.offload_when_idle), train (engine released; actor on
 device), sync (actor on device, the engine's weights resumed WITHOUT its KV cache, the new weights
 streamed from the actor -- gather TP shards, collect PP stages, convert to HF names, tensor by tensor
@@ -18,7 +18,7 @@ import torch
 
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
-from megatron_dapo.loop.phase_model import ENGINE_STATE, Phase, phase_model
+from megatron_dapo.loop.colocation import ENGINE_STATE, Phase, phase_model
 from megatron_dapo.loop.weight_probe import WeightProbe
 from megatron_dapo.loop.weight_sync import SyncStats, sync_weights
 from megatron_dapo.rollout.base import RolloutEngine

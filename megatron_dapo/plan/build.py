@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from megatron_dapo.config import Config, ConfigError, data_parallel_size, validate
 from megatron_dapo.config.sizing import resolve_micro_batches
-from megatron_dapo.loop.phase_model import phase_model
+from megatron_dapo.loop.colocation import phase_model
 from megatron_dapo.plan.core import (Hardware, IdleActor, Layout, Links, ModelSummary, PhaseMemory, Plan,
                                      Refit, RolloutPhase, SGLangPool, StageMemory, TokenBudget, TrainPhase,
                                      fmt_gib)
@@ -46,7 +46,7 @@ def make_plan(cfg: Config, spec: ModelSpec, hw: Hardware, *, model_source: str =
 
 def phase_memory(cfg: Config, hw: Hardware, worst: StageMemory, rollout: RolloutPhase,
                  refit: Refit | None = None) -> tuple[PhaseMemory, ...]:
-    """Every phase of the phase model (loop/phase_model.py, what the trainer follows) on one GPU of the
+    """Every phase of the phase model (loop/colocation.py, what the trainer follows) on one GPU of the
     worst stage: the components the model puts on the device, sized. The engine is sized for colocated
     SGLang only (the embedded engine is the CPU test bed; a separate fleet is not on these GPUs). The sync
     phase also holds the weight sync's bucket buffers (`refit.sync_buffer_bytes`) while it streams."""

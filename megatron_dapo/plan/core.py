@@ -1,6 +1,6 @@
 """The planner's typed plan: hardware, model, layout, per-GPU memory of each phase, tokens per step.
 
-A phase of the colocated hybrid engine (loop/phase_model.py, the table the trainer follows too:
+A phase of the colocated hybrid engine (loop/colocation.py, the table the trainer follows too:
 generate, train, sync) is a `PhaseMemory`: named components with their bytes per side (actor,
 engine) plus the reserve. `megatron_dapo.plan.build.make_plan` fills these types;
 `megatron_dapo.plan.memory` holds the memory model behind the numbers.
@@ -133,7 +133,7 @@ class StageMemory:
 
     @property
     def components(self) -> dict[str, float]:
-        """The actor's components by the phase model's names (loop/phase_model.py)."""
+        """The actor's components by the phase model's names (loop/colocation.py)."""
         return {"weights": self.weights, "main_grads": self.main_grads, "optimizer": self.optimizer,
                 "activations": self.activations}
 

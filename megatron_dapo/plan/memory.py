@@ -36,7 +36,7 @@ not counted.
   generate phase (colocated SGLang awake; actor.offload_when_idle moves weights, grads and optimizer
   state to host memory, else they stay) = mem_fraction_static x GPU + actor resident + reserve
   sync phase = actor weights + main grads + optimizer + SGLang weights (no KV cache) + reserve
-  (which components each phase holds: loop/phase_model.py, the table the trainer follows too)
+  (which components each phase holds: loop/colocation.py, the table the trainer follows too)
     SGLang static pool = engine weights (2 B x params / sglang TP) + KV pool
     KV bytes per token per GPU = 2 (K, V) x layers x KV heads per GPU x head_dim x 2 B (bf16)
        (KV heads per GPU = kv_heads / sglang TP, at least 1: replicated when TP > kv_heads)

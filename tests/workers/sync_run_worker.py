@@ -9,7 +9,7 @@ import sys
 
 from megatron_dapo import parallel
 from megatron_dapo.config import build_parser, load_config, validate
-from megatron_dapo.loop.state import build_run
+from megatron_dapo.loop.build import build_run
 
 if __name__ == "__main__":
     args = build_parser().parse_intermixed_args(sys.argv[1:])

@@ -11,7 +11,8 @@ from actor_worker import fixed_batch, make_cfg
 
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
-from megatron_dapo.algo.train_batch import build_train_batch
+from megatron_dapo.algo.advantages import group_advantages
+from megatron_dapo.algo.train_batch import build_train_batch, group_rewards
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.loop.weight_sync import sync_weights
 from megatron_dapo.types import Group, Prompt
@@ -51,7 +52,7 @@ def engine_vs_actor(actor, engine) -> tuple[float, float]:
     for g in groups:
         for s in g.samples:
             s.reward = float(len(s.response_ids))
-    tb = build_train_batch(groups, overlong_filtering=False)
+    tb = build_train_batch(groups, group_advantages(group_rewards(groups)))
     lp, _ = actor.compute_logprobs(tb)
     err = (lp - tb.rollout_logprobs).abs() * tb.response_mask
     return float(err.sum() / tb.response_mask.sum()), float(err.max())

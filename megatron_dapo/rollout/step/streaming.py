@@ -32,17 +32,17 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats, is_informative
-from megatron_dapo.config import AlgoConfig, Config
+from megatron_dapo.config import AlgoConfig
 from megatron_dapo.config.schema import FilterMetric, OnExhausted
-from megatron_dapo.data.render import render_prompt_ids
-from megatron_dapo.loop.collect import StepRollout, seed_of, stamp
-from megatron_dapo.loop.evaluation import score_group
-from megatron_dapo.reward.scorer import Scorer
 from megatron_dapo.rollout.base import AbortReport, GroupRequest, RolloutEngine, SamplingParams
-from megatron_dapo.types import Group, Prompt, Sample
+from megatron_dapo.rollout.step.carry import PartialCarry
+from megatron_dapo.rollout.step.result import StreamRollout
+from megatron_dapo.rollout.step.scoring import RenderedPrompt
+from megatron_dapo.rollout.step.versions import stamp
+from megatron_dapo.types import Group, Prompt
 
 log = logging.getLogger(__name__)
 _KEPT_FRAC_FLOOR = 0.1
@@ -90,41 +90,6 @@ class StreamPlan:
         return min(want, self.max_inflight)
 
 
-@dataclass
-class StreamStats:
-    submitted: int = 0
-    aborted_groups: int = 0
-    wasted_tokens: int = 0
-    """Tokens generated for groups that were aborted (partial, or finished but not collected) and not
-    carried to the next step; a dropped stale group's tokens count in full, over every step that made them."""
-    generated_tokens: int = 0
-    """Tokens generated in this step (carried-in tokens count in the step that made them)."""
-    partial: bool = False
-    """Partial rollout was on (the carry monitors below are reported)."""
-    resumed_groups: int = 0
-    """Groups carried in from the previous step."""
-    carried_groups: int = 0
-    carried_tokens: int = 0
-    """Groups handed to the next step and the response tokens they take along."""
-    dropped_stale_groups: int = 0
-    """Aborted groups not carried on: they had been carried max_carry_steps times already."""
-    first_kept_s: float = math.nan
-    """Seconds from the step's start to its first kept group."""
-    aborted_response_len: float = math.nan
-    """Mean length so far of the aborted groups' started samples (each would have run at least this long):
-    set beside response_length/mean, how far the stream favours the responses that finish early."""
-
-
-Carry = list[tuple[Prompt, GroupRequest]]
-"""Partial rollout: aborted groups with their samples so far (`GroupRequest.resume`), for the next step."""
-
-
-@dataclass
-class StreamRollout(StepRollout):
-    stream: StreamStats = field(default_factory=StreamStats)
-    carry: Carry = field(default_factory=list)
-
-
 class RolloutStepError(RuntimeError):
     """The engine failed mid-stream; `partial` holds everything the step had received and kept."""
 
@@ -133,38 +98,26 @@ class RolloutStepError(RuntimeError):
         self.partial = partial
 
 
-def group_sampling(cfg: Config, step: int, group: int, eos_ids: tuple[int, ...]) -> SamplingParams:
-    """Training-rollout sampling of group `group` of step `step`; its seed is a pure function of both."""
-    return SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                          max_new_tokens=cfg.rollout.max_response_len, stop_token_ids=eos_ids,
-                          seed=seed_of(cfg.train.seed, "train", step, "group", group))
-
-
-def collect_stream(engine: RolloutEngine, tokenizer, next_prompts: Callable[[int], list[Prompt]], *,
-                   target_groups: int, algo: AlgoConfig, scorer: Scorer,
-                   sampling: Callable[[int], SamplingParams], max_inflight_groups: int = 0,
-                   partial: bool = False, carry: Carry = (), max_carry_steps: int = 0,
-                   version: int = 0) -> StreamRollout:
-    """The streaming counterpart of collect_step; `sampling(g)` gives group g's sampling (and seed).
-    With `partial`, `carry` (the previous step's) goes first and the result's carry is the next step's.
-    Samples are stamped with `version` (the engine's policy version) from where they were carried in."""
+def collect_stream(engine: RolloutEngine, next_prompt: Callable[[], RenderedPrompt],
+                   score: Callable[[Group], None], sampling: Callable[[int], SamplingParams], plan: StreamPlan, *,
+                   group_size: int, carry: PartialCarry | None = None, version: int = 0) -> StreamRollout:
+    """The trainer's stream, with the same callables as `collect_rounds`: group g is `next_prompt()`'s
+    next prompt, its `group_size` samples drawn with `sampling(g)` (its seed)."""
 
     def request(g: int) -> tuple[Prompt, GroupRequest]:
-        prompt = next_prompts(1)[0]
-        ids = render_prompt_ids(tokenizer, prompt)
-        return prompt, GroupRequest(key=g, prompt_ids=ids, n=algo.group_size, sampling=sampling(g))
+        prompt, ids = next_prompt()
+        return prompt, GroupRequest(key=g, prompt_ids=ids, n=group_size, sampling=sampling(g))
 
-    plan = StreamPlan.from_config(algo, target_groups, max_inflight_groups, partial, max_carry_steps)
-    out = stream_groups(engine, request, lambda g: score_group(g, tokenizer, scorer), plan, carry, version)
-    out.reward_failures = scorer.take_failures()
-    return out
+    return stream_groups(engine, request, score, plan, carry, version)
 
 
 def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, GroupRequest]],
-                  score: Callable[[Group], None], plan: StreamPlan, carry: Carry = (),
+                  score: Callable[[Group], None], plan: StreamPlan, carry: PartialCarry | None = None,
                   version: int = 0) -> StreamRollout:
-    """Stream groups `request(0), request(1), ...` through `engine` until `plan` is met (module docstring);
-    the groups of `carry` (partial rollout) go first, as groups 0 .. len(carry) - 1."""
+    """Stream groups `request(0), request(1), ...` through `engine` until `plan` is met (module docstring).
+    The groups of `carry` (partial rollout) go first, as groups 0 .. len(carry) - 1, and the result's carry is
+    the next step's. Samples are stamped with `version` (the engine's policy version) from where they were
+    carried in."""
     t0 = time.perf_counter()
     out = StreamRollout(groups=[], stats=DynamicSamplingStats(0, 0, 0, 0.0, False))
     prompts: dict[int, Prompt] = {}
@@ -180,8 +133,8 @@ def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, 
 
     with engine.stream() as stream:
         try:
-            submit(stream, [(p, dataclasses.replace(r, key=g)) for g, (p, r) in enumerate(carry)])
-            out.stream.resumed_groups, out.stream.partial = len(carry), plan.partial
+            submit(stream, [(p, dataclasses.replace(r, key=g)) for g, (p, r) in enumerate(carry or ())])
+            out.stream.resumed_groups, out.stream.partial = len(carry or ()), plan.partial
             while len(out.groups) < plan.target_groups:
                 wanted = plan.inflight(len(out.groups), len(out.generated), informative) - stream.pending
                 fresh = max(0, min(wanted, plan.max_groups - out.stream.submitted))
@@ -216,13 +169,13 @@ def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, 
                                    f"group's samples ({sorted(report.partial)} of {report.keys})")
             for k in report.keys:
                 stamp(report.partial[k], version, requests[k].resume)
-            carry = [(prompts[k], dataclasses.replace(requests[k], resume=tuple(report.partial[k]),
+            aborted = [(prompts[k], dataclasses.replace(requests[k], resume=tuple(report.partial[k]),
                                                       carried_steps=requests[k].carried_steps + 1))
                      for k in report.keys]
-            stale = [0 < plan.max_carry_steps < r.carried_steps for _, r in carry]
-            out.carry = [c for c, old in zip(carry, stale) if not old]
+            stale = [0 < plan.max_carry_steps < r.carried_steps for _, r in aborted]
+            out.carry = PartialCarry([c for c, old in zip(aborted, stale) if not old])
             out.stream.dropped_stale_groups = sum(stale)
-            wasted = sum(r.resumed_tokens for (_, r), old in zip(carry, stale) if old)
+            wasted = sum(r.resumed_tokens for (_, r), old in zip(aborted, stale) if old)
         _finish(out, report, informative, plan, wasted)
     out.generate_seconds = time.perf_counter() - t0 - out.reward_seconds
     return out
@@ -232,7 +185,7 @@ def _finish(out: StreamRollout, report: AbortReport, informative: int, plan: Str
             exhausted_ok: bool = False) -> None:
     out.stream.aborted_groups = len(report.keys)
     out.stream.carried_groups = len(out.carry)
-    out.stream.carried_tokens = sum(r.resumed_tokens for _, r in out.carry)
+    out.stream.carried_tokens = out.carry.tokens
     out.stream.wasted_tokens = wasted
     started = [x.response_len for k in report.keys for x in report.partial.get(k, ()) if x.response_len]
     out.stream.aborted_response_len = sum(started) / len(started) if started else math.nan
@@ -251,43 +204,3 @@ def _finish(out: StreamRollout, report: AbortReport, informative: int, plan: Str
         log.warning("%s; training on the partial batch", msg)
 
 
-def rollout_cost_scalars(rollout: StepRollout, algo: AlgoConfig) -> dict[str, float]:
-    """rollout/{aborted_groups,wasted_tokens,generated_tokens} in both modes, plus rollout/first_kept_s when
-    streaming kept a group and rollout/aborted_response_len when it aborted started samples. Rounds waste
-    the groups generated and trimmed beyond N (informative ones, or any with dynamic sampling off);
-    streaming wastes what it aborted."""
-    if isinstance(rollout, StreamRollout):
-        s = rollout.stream
-        out = {"rollout/aborted_groups": float(s.aborted_groups),
-               "rollout/wasted_tokens": float(s.wasted_tokens),
-               "rollout/generated_tokens": float(s.generated_tokens)}
-        if s.partial:
-            out.update({"rollout/resumed_groups": float(s.resumed_groups),
-                        "rollout/carried_groups": float(s.carried_groups),
-                        "rollout/carried_tokens": float(s.carried_tokens),
-                        "rollout/dropped_stale_groups": float(s.dropped_stale_groups)})
-        if not math.isnan(s.aborted_response_len):
-            out["rollout/aborted_response_len"] = s.aborted_response_len
-        return out if math.isnan(s.first_kept_s) else {**out, "rollout/first_kept_s": s.first_kept_s}
-    kept = {id(g) for g in rollout.groups}
-    surplus = [g for g in rollout.generated if id(g) not in kept
-               and (is_informative(g, algo.filter_metric) or not algo.dynamic_sampling)]
-    return {"rollout/aborted_groups": 0.0,
-            "rollout/wasted_tokens": float(sum(s.response_len for g in surplus for s in g.samples)),
-            "rollout/generated_tokens": float(sum(s.response_len for g in rollout.generated
-                                                  for s in g.samples))}
-
-
-def carry_state(carry: Carry) -> list[dict]:
-    """The carry as plain JSON (checkpoint trainer state)."""
-    return [{"prompt": dataclasses.asdict(p), "request": dataclasses.asdict(r)} for p, r in carry]
-
-
-def load_carry(state: list[dict]) -> Carry:
-    out = []
-    for item in state:
-        r = dict(item["request"])
-        r["sampling"] = SamplingParams(**r["sampling"])
-        r["resume"] = tuple(Sample.from_dict(s) for s in r["resume"])
-        out.append((Prompt.from_dict(item["prompt"]), GroupRequest(**r)))
-    return out

@@ -1,0 +1,79 @@
+"""The rollout engine a run generates with: SGLang servers (node leaders start them, the driver drives them
+all) or the embedded engine (the driver only), on the actor's own weights where they can be shared
+(shared_weights.py) and stay in place while it generates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_dapo import parallel
+from megatron_dapo.actor.actor import Actor
+from megatron_dapo.actor.model import param_dtype
+from megatron_dapo.config import Config, ModelConfig
+from megatron_dapo.loop.startup import StartupReport
+from megatron_dapo.rollout.base import RolloutEngine
+
+
+@dataclass
+class EngineSetup:
+    engine: RolloutEngine | None
+    """The engine over every server of the job: global rank 0 (the driver) only."""
+    on_actor_weights: bool = False
+    """The embedded engine generates on the actor's parameters (decides pi_old's auto source)."""
+    servers: list[Any] = field(default_factory=list)
+    """SGLang: the servers this rank started (a node leader's), to stop at the end."""
+    weights: Any = None
+    """SGLang: the weight-update channels of the phases' sync."""
+
+
+def make_engine(cfg: Config, actor: Actor, report: StartupReport) -> EngineSetup:
+    """Every rank (node leaders start SGLang servers); the start-up report says which engine and why."""
+    if cfg.rollout.engine == "sglang":
+        servers = _start_sglang(cfg, cfg.model.hf_dir)
+        report.engine = f"sglang ({len(servers.owned)} server(s) started by this rank)"
+        return EngineSetup(servers.engine, servers=servers.owned, weights=servers.weights)
+    if not parallel.is_main():  # the weights are shared in a one-process job only: every rank resolves pi_old alike
+        return EngineSetup(None)
+    engine, shared = _embedded_engine(actor, cfg.model, report, _why_own_weights(cfg))
+    return EngineSetup(engine, on_actor_weights=shared)
+
+
+def _start_sglang(cfg: Config, hf_dir: str):
+    """Every rank: node leaders start SGLang servers; global rank 0 gets the engine over all of them."""
+    from megatron_dapo.rollout.sglang.fleet import start_job_servers
+
+    # the actor's dtype, not SGLang's "auto" (which serves a float32 checkpoint in float16)
+    dtype = str(param_dtype(cfg.model)).removeprefix("torch.")
+    return start_job_servers(hf_dir, cfg.rollout.sglang, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+                             dtype=dtype, colocate=cfg.rollout.colocate)
+
+
+def _why_own_weights(cfg: Config) -> str | None:
+    """Why the embedded engine must not generate on the actor's parameters even where it could."""
+    if cfg.rollout.async_steps:
+        return "the engine generates while the actor trains (rollout.async_steps)"
+    if cfg.rollout.colocate and cfg.actor.offload_when_idle:
+        return "the actor offloads while it generates: actor.offload_when_idle=false shares the actor's weights"
+    return None
+
+
+def _embedded_engine(actor: Actor, model_cfg: ModelConfig, report: StartupReport,
+                     why_own: str | None) -> tuple[RolloutEngine, bool]:
+    """On the actor's own weights when they can be shared (shared_weights.py) and stay in place while the
+    engine generates (`why_own` is None), else from hf_dir; and whether it is on the actor's weights."""
+    from megatron_dapo.loop.shared_weights import can_share, model_on_actor_weights
+    from megatron_dapo.rollout.embedded import EmbeddedEngine
+
+    hf_dir, dtype = model_cfg.hf_dir, param_dtype(model_cfg)
+    own = f"its own {str(dtype).removeprefix('torch.')} copy of the weights (from {hf_dir}"
+    if not can_share(actor, dtype):
+        report.engine = f"embedded, {own})"
+        return EmbeddedEngine(hf_dir, device=parallel.device(), dtype=dtype), False
+    if why_own:
+        report.engine = f"embedded, {own}; {why_own})"
+        return EmbeddedEngine(hf_dir, device=parallel.device(), dtype=dtype), False
+    model, shared = model_on_actor_weights(actor, hf_dir)
+    total = sum(p.numel() for p in model.parameters())
+    report.engine = f"embedded, on the actor's weights ({shared / 1e6:.2f}M of {total / 1e6:.2f}M parameters shared)"
+    return EmbeddedEngine(model, device=parallel.device(), dtype=dtype, borrowed=actor.module.parameters()), True
