@@ -21,16 +21,20 @@ if TYPE_CHECKING:
 
 
 def make_plan(cfg: Config, spec: ModelSpec, hw: Hardware, *, model_source: str = "", config_name: str = "",
-              rollout_concurrency: int | None = None, links: Links = Links()) -> Plan:
+              rollout_concurrency: int | None = None, links: Links = Links(),
+              rollout_hw: Hardware | None = None) -> Plan:
+    """`rollout_hw`: the generation GPUs of a disaggregated split (plan/split.py), where the engine is sized
+    and checked; the actor trains on `hw`. None: the engine is sized on `hw`."""
+    gen_hw = rollout_hw or hw
     layout = _layout(cfg, spec, hw)
     train = _train_phase(cfg, spec, hw, layout.dp)
-    rollout = _rollout_phase(cfg, spec, hw, train.worst, rollout_concurrency)
+    rollout = _rollout_phase(cfg, spec, gen_hw, train.worst, rollout_concurrency)
     refit = plan_refit(cfg, spec, hw, links) if rollout.sglang is not None else None
     phases = phase_memory(cfg, hw, train.worst, rollout, refit)
     problems = [*_config_problems(cfg, spec, hw), *_train_problems(cfg, train.worst, hw),
-                *_rollout_problems(cfg, spec, hw, rollout), *_phase_problems(cfg, hw, phases),
-                *_receive_problems(cfg, hw, refit)]
-    warnings = [*_tp_warnings(cfg, hw), *_rollout_warnings(cfg)]
+                *_rollout_problems(cfg, spec, gen_hw, rollout), *_phase_problems(cfg, hw, phases),
+                *_receive_problems(cfg, gen_hw, refit)]
+    warnings = [*_tp_warnings(cfg, hw), *([] if rollout_hw else _rollout_warnings(cfg))]
     moe = spec.moe
     model = ModelSummary(source=model_source, params=total_params(spec), activated_params=activated_params(spec),
                          layers=spec.num_layers, hidden=spec.hidden_size,

@@ -1,5 +1,7 @@
 """The planner's command line: `python -m megatron_dapo.plan --config ... --nodes N --gpus-per-node G`.
 
+rollout.colocate=false with SGLang: the cluster is split into training and generation GPUs
+(plan/split.py) and each split's step time estimated (plan/cost.py, flags --peak-tflops ...).
 Exit 0: the plan fits; 1: refused (every reason listed); 2: the flags, the config or the model
 cannot be read.
 """
@@ -9,12 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING, Any
 
-from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.config import Config, ConfigError, load_config
 from megatron_dapo.plan.build import make_plan
 from megatron_dapo.plan.core import Hardware, Links
+from megatron_dapo.plan.cost import Throughput, Workload
 from megatron_dapo.plan.models import PlanInputError, resolve_model
 from megatron_dapo.plan.report import format_plan
+from megatron_dapo.plan.split import is_disaggregated, plan_disaggregated
+from megatron_dapo.plan.split_report import format_disaggregated
+
+if TYPE_CHECKING:
+    from megatron_dapo.actor.model import ModelSpec
 
 EXIT_REFUSED = 1
 EXIT_BAD_INPUT = 2
@@ -45,7 +54,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-overhead-ms", type=float, default=Links.bucket_overhead_s * 1e3,
                    help="per weight-sync bucket: HTTP round trip and SGLang's TP barrier (assumed)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _time_arguments(p)
     return p
+
+
+def _time_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("step-time estimate of a disaggregated split (rollout.colocate=false)")
+    g.add_argument("--peak-tflops", type=float, default=Throughput.peak_tflops,
+                   help="dense bf16 peak per GPU, TFLOP/s (H100 and H200 SXM: 989)")
+    g.add_argument("--mfu", type=float, default=Throughput.mfu,
+                   help="fraction of the peak training and prefill reach")
+    g.add_argument("--hbm-util", type=float, default=Throughput.hbm_util,
+                   help="fraction of --hbm-gbs a decode step reaches")
+    g.add_argument("--prompt-len", type=int, default=None,
+                   help="mean prompt tokens (default rollout.max_prompt_len: an upper bound)")
+    g.add_argument("--response-len", type=int, default=None,
+                   help="mean response tokens (default rollout.max_response_len: an upper bound)")
+    g.add_argument("--gen-rounds", type=float, default=1.0, help="generation rounds per step")
+
+
+def _bad_time_flags(args: argparse.Namespace) -> bool:
+    lengths = [x for x in (args.prompt_len, args.response_len) if x is not None]
+    return (args.peak_tflops <= 0 or not 0 < args.mfu <= 1 or not 0 < args.hbm_util <= 1
+            or args.gen_rounds <= 0 or any(x < 1 for x in lengths))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             or args.bucket_overhead_ms < 0):
         print("plan: --nodes and --gpus-per-node must be >= 1, --gpu-mem-gb > 0, --reserve-gb >= 0, "
               "--max-util in (0, 1], the bandwidths > 0, --bucket-overhead-ms >= 0", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if _bad_time_flags(args):
+        print("plan: --peak-tflops and --gen-rounds must be > 0, --mfu and --hbm-util in (0, 1], "
+              "--prompt-len and --response-len >= 1", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         cfg = load_config(args.config, args.overrides)
@@ -66,11 +101,31 @@ def main(argv: list[str] | None = None) -> int:
                   reserve_gib=args.reserve_gb, max_util=args.max_util)
     links = Links(nvlink=args.nvlink_gbs, ib=args.ib_gbs, hbm=args.hbm_gbs,
                   bucket_overhead_s=args.bucket_overhead_ms / 1e3)
+    if is_disaggregated(cfg):
+        return _disaggregated(args, cfg, spec, source, hw, links)
     plan = make_plan(cfg, spec, hw, model_source=source, config_name=args.config,
                      rollout_concurrency=args.rollout_concurrency, links=links)
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
-    if not plan.fits:
-        if args.json:
-            print("plan: REFUSED:\n  - " + "\n  - ".join(plan.problems), file=sys.stderr)
-        return EXIT_REFUSED
-    return 0
+    return _report(plan.to_dict(), format_plan(plan), plan.problems, args.json)
+
+
+def _disaggregated(args: argparse.Namespace, cfg: Config, spec: ModelSpec, source: str, hw: Hardware,
+                   links: Links) -> int:
+    """rollout.colocate=false with SGLang: every split of the cluster planned and timed (plan/split.py)."""
+    work, r = Workload.of(cfg, args.prompt_len, args.response_len, args.gen_rounds), cfg.rollout
+    if work.prompt_tokens > r.max_prompt_len or work.response_tokens > r.max_response_len:
+        print(f"plan: --prompt-len / --response-len are means: at most rollout.max_prompt_len="
+              f"{r.max_prompt_len} / max_response_len={r.max_response_len}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    thr = Throughput(peak_tflops=args.peak_tflops, mfu=args.mfu, hbm_util=args.hbm_util)
+    split = plan_disaggregated(cfg, spec, hw, work=work, throughput=thr, links=links, model_source=source,
+                               config_name=args.config, rollout_concurrency=args.rollout_concurrency)
+    return _report(split.to_dict(), format_disaggregated(split), split.problems, args.json)
+
+
+def _report(data: dict[str, Any], text: str, problems: tuple[str, ...], as_json: bool) -> int:
+    print(json.dumps(data, indent=2) if as_json else text)
+    if not problems:
+        return 0
+    if as_json:
+        print("plan: REFUSED:\n  - " + "\n  - ".join(problems), file=sys.stderr)
+    return EXIT_REFUSED

@@ -18,7 +18,7 @@ def fmt_gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f}"
 
 
-def _record(obj: Any, *derived: str) -> dict[str, Any]:
+def record(obj: Any, *derived: str) -> dict[str, Any]:
     """A dataclass's fields plus the named derived properties, for JSON."""
     return asdict(obj) | {name: getattr(obj, name) for name in derived}
 
@@ -104,7 +104,7 @@ class PhaseMemory:
         return sum(self.actor.values()) + sum(self.engine.values()) + self.reserve
 
     def to_dict(self) -> dict[str, Any]:
-        return _record(self, "total")
+        return record(self, "total")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +143,7 @@ class StageMemory:
         return sum(self.components.values()) + self.reserve
 
     def to_dict(self) -> dict[str, Any]:
-        return _record(self, "activations", "total")
+        return record(self, "activations", "total")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,7 +184,7 @@ class SGLangPool:
         return {"weights": self.weights, "kv_cache": self.kv_pool}
 
     def to_dict(self) -> dict[str, Any]:
-        return _record(self, "kv_pool")
+        return record(self, "kv_pool")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -307,8 +307,8 @@ class Plan:
         hw = self.hardware
         memory = {"gpu": hw.gpu_bytes, "budget": hw.budget_bytes, "train_phase": self.train.worst.to_dict(),
                   "stages": [s.to_dict() for s in self.train.stages], "rollout_phase": self.rollout.to_dict()}
-        return {"config": self.config, "hardware": _record(hw, "world_size"), "model": asdict(self.model),
+        return {"config": self.config, "hardware": record(hw, "world_size"), "model": asdict(self.model),
                 "layout": asdict(self.layout), "memory": memory,
                 "phases": {p.name: p.to_dict() for p in self.phases}, "tokens": asdict(self.tokens),
-                "refit": None if self.refit is None else _record(self.refit, "seconds"),
+                "refit": None if self.refit is None else record(self.refit, "seconds"),
                 "problems": list(self.problems), "warnings": list(self.warnings), "fits": self.fits}

@@ -6,7 +6,7 @@ from megatron_dapo.plan.core import PUBLISHED_REFIT, PhaseMemory, Plan, RolloutP
 from megatron_dapo.plan.core import fmt_gib as _g
 
 
-def _n(x: float) -> str:
+def fmt_count(x: float) -> str:
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(x) >= div:
             return f"{x / div:.2f} {unit}"
@@ -49,11 +49,11 @@ def _header(plan: Plan) -> list[str]:
     lines = [
         f"plan: {plan.config} on {hw.nodes} node(s) x {hw.gpus_per_node} GPUs = {hw.world_size} GPUs "
         f"of {hw.gpu_mem_gib:g} GiB (planned to {hw.max_util:g} of it: {_planned(plan)} GiB)",
-        f"model: {_n(m.params)} params, {m.layers} layers, hidden {m.hidden}, FFN {m.ffn}, "
+        f"model: {fmt_count(m.params)} params, {m.layers} layers, hidden {m.hidden}, FFN {m.ffn}, "
         f"{m.heads} heads / {m.kv_heads} KV heads x {m.head_dim}, vocab {m.vocab} "
         f"(padded {m.vocab_padded}), {'tied' if m.tied_embeddings else 'untied'} embeddings",
         *([f"       MoE: {m.experts} experts of FFN {m.ffn}, top-{m.experts_per_token} per token: "
-            f"{_n(m.activated_params)} params activated per token"] if m.experts else []),
+            f"{fmt_count(m.activated_params)} params activated per token"] if m.experts else []),
         f"       from {m.source}",
         "",
         "layout",
@@ -114,7 +114,7 @@ def _train_lines(plan: Plan, phase: PhaseMemory) -> list[str]:
     return [
         "",
         f"per-GPU memory, train phase (worst stage: {tr.stage}), GiB",
-        f"  weights       {_g(tr.weights):>8}   {w_bytes} B x {_n(tr.params)} params on this GPU",
+        f"  weights       {_g(tr.weights):>8}   {w_bytes} B x {fmt_count(tr.params)} params on this GPU",
         f"  main grads    {_g(tr.main_grads):>8}   fp32, 4 B x params",
         f"  optimizer     {_g(tr.optimizer):>8}   {o_bytes} B x params{dp_note} (fp32 master + Adam m, v)",
         f"  activations   {_g(tr.activations):>8}   max(train {_g(tr.activations_train)} @ "
@@ -141,11 +141,11 @@ def _sglang_lines(plan: Plan, ro: RolloutPhase, sg: SGLangPool, phase: PhaseMemo
         "",
         "per-GPU memory, generate phase (SGLang awake), GiB",
         f"  SGLang pool   {_g(sg.static_pool):>8}   mem_fraction_static x GPU",
-        f"    weights     {_g(sg.weights):>8}   2 B x {_n(m.params)} / sglang TP {sg.sglang_tp}",
+        f"    weights     {_g(sg.weights):>8}   2 B x {fmt_count(m.params)} / sglang TP {sg.sglang_tp}",
         f"    KV cache    {_g(sg.kv_pool):>8}   {sg.kv_bytes_per_token_gpu} B/token/GPU "
         f"(2 x {m.layers} layers x {kv_heads_gpu} KV heads x {m.head_dim} x 2 B; "
         f"{sg.kv_bytes_per_token_engine} B/token per engine) = "
-        f"{_n(sg.kv_pool_tokens_per_engine)} tokens per engine",
+        f"{fmt_count(sg.kv_pool_tokens_per_engine)} tokens per engine",
     ]
     if ro.actor is not None:
         if ro.actor.offloaded:
@@ -176,10 +176,10 @@ def _token_lines(plan: Plan) -> list[str]:
         "",
         "tokens per step (upper bounds: every sequence at max_prompt_len + max_response_len)",
         f"  trained     {tok.trained_sequences_per_step} sequences x {tok.sequence_tokens_max} = "
-        f"{_n(tok.trained_tokens_per_step_max)} tokens "
-        f"({_n(tok.trained_tokens_per_dp_rank_max)} per DP rank)",
+        f"{fmt_count(tok.trained_tokens_per_step_max)} tokens "
+        f"({fmt_count(tok.trained_tokens_per_dp_rank_max)} per DP rank)",
         f"  generated   {tok.generation_prompts_per_round} prompts x G per round = "
-        f"{tok.generated_sequences_per_round} sequences, <= {_n(tok.generated_tokens_per_round_max)} "
+        f"{tok.generated_sequences_per_round} sequences, <= {fmt_count(tok.generated_tokens_per_round_max)} "
         f"response tokens; <= {tok.max_generation_rounds} rounds",
         f"  updates     {tok.updates_per_step} optimizer update(s) per step "
         f"({tok.sequences_per_update} sequences each, "
