@@ -232,7 +232,7 @@ def test_bench_async_reports_the_ratio_beside_the_overlap_limit():
 
     compare = runpy.run_path(str(REPO / "tools" / "bench_async.py"))["compare"]
 
-    sync = {"timing/rollout_s": [2.5, 2.5], "timing/reward_s": [0.5, 0.5], "timing/step_s": [4.0, 4.0],
+    sync = {"timing/rollout_s": [3.0, 3.0], "timing/reward_s": [0.5, 0.5], "timing/step_s": [4.0, 4.0],
             "perf/tokens_per_s": [10.0, 10.0]}
     pipe = {"timing/step_s": [3.2, 3.4], "timing/actor_idle_s": [2.0, 2.2], "timing/engine_idle_s": [0.1, 0.1],
             "timing/overlap_s": [1.0, 1.0], "perf/tokens_per_s": [12.0, 12.0]}

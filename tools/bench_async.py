@@ -74,7 +74,7 @@ def median(tb: dict, tag: str) -> float:
 
 
 def compare(name: str, engine: str, sync: dict, pipe: dict) -> dict:
-    gen = median(sync, "timing/rollout_s") + median(sync, "timing/reward_s")
+    gen = median(sync, "timing/rollout_s")  # generation and scoring (timing/reward_s is the scoring part)
     wall_sync, wall_async = median(sync, "timing/step_s"), median(pipe, "timing/step_s")
     train = max(wall_sync - gen, 0.0)
     return {"base": name, "engine": engine, "sync_step_s": wall_sync, "async_step_s": wall_async,
