@@ -28,6 +28,7 @@ from megatron_dapo.loop.build import build_run
 from megatron_dapo.loop.evaluation import validate as run_validation
 from megatron_dapo.loop.old_policy import apply_rollout_correction, old_logprobs
 from megatron_dapo.loop.preempt import Preempted, StartInterrupted, StopSignals
+from megatron_dapo.loop.startup import pace_line
 from megatron_dapo.loop.state import RunState
 from megatron_dapo.loop.weight_probe import WeightSyncError
 from megatron_dapo.metrics import progress
@@ -84,8 +85,10 @@ def _steps(run: RunState, stop: StopSignals) -> dict[str, float]:
     if signum := stop.requested():  # while starting: nothing new to save
         last = run.last_saved
         raise Preempted(signum, run.start_step, None if last is None else str(step_dir(run.ckpt_root, last)))
+    evaluated = {}
     if run.start_step == 0 and run.wants_eval(0):
-        write(run, 0, validate_policy(run, 0))
+        evaluated = validate_policy(run, 0)
+        write(run, 0, evaluated)
     bar = progress(range(run.start_step + 1, cfg.train.steps + 1), enabled=run.is_driver)
     for step in bar:
         out = dapo_step(run, step)
@@ -93,6 +96,9 @@ def _steps(run: RunState, stop: StopSignals) -> dict[str, float]:
         if run.wants_eval(step) or (last and run.has_val):
             out.update(validate_policy(run, step))
         write(run, step, out, bar)
+        if step == run.start_step + 1 and run.is_driver and not last:
+            evals = sum(run.wants_eval(s) for s in range(step + 1, cfg.train.steps + 1))
+            log.info(pace_line({**evaluated, **out}, cfg.train.steps - step, evals))
         signum = stop.requested()
         if run.wants_checkpoint(step) or last or signum:
             run.save(step)

@@ -296,3 +296,14 @@ def test_a_resumed_run_may_change_only_what_the_fields_say():
         assert may_change_on_resume(cfg, key), key
     for key in ("train.seed", "algo.eps_high", "rollout.max_response_len", "logging.samples_every", "nope.x"):
         assert not may_change_on_resume(cfg, key), key
+
+
+def test_the_pace_after_the_first_step_is_hand_arithmetic():
+    from megatron_dapo.loop.startup import pace_line
+
+    first = {"timing/rollout_s": 3.0, "timing/update_s": 6.0, "timing/reward_s": 0.01, "timing/step_s": 10.0,
+             "timing/eval_s": 30.0, "train/acc_mean": 0.5}
+    line = pace_line(first, steps_left=49, evals_left=5)
+    assert line == ("the first step took 10.0 s (update 6.0, rollout 3.0); the 49 step(s) left + 5 evaluation(s) "
+                    "of 30 s: about 11 min at this pace")  # 49 x 10 + 5 x 30 = 640 s
+    assert pace_line({"timing/step_s": 2.0}, 3, 0).endswith("the 3 step(s) left: about 6 s at this pace")

@@ -52,7 +52,8 @@ def run_train(cmd, env, timeout=600):
 
 
 def test_three_steps_write_every_monitor(base_dir, tmp_path, python_env):
-    run_train(train_cmd(base_dir, tmp_path, "smoke", "train.steps=3", "checkpoint.save_every=0"), python_env)
+    r = run_train(train_cmd(base_dir, tmp_path, "smoke", "train.steps=3", "checkpoint.save_every=0"), python_env)
+    assert "the first step took" in r.stderr and "the 2 step(s) left + 2 evaluation(s)" in r.stderr
     tb = scalars(tmp_path / "tb" / "smoke")
     for tag in TAGS:
         assert tag in tb, f"missing tag {tag}"

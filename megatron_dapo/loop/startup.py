@@ -110,3 +110,22 @@ def system_prompt_note(configured: str | None, template_default: str | None) -> 
     if template_default == "":
         return "an empty system turn, inserted by the chat template", False
     return "none", False
+
+
+def pace_line(first: dict[str, float], steps_left: int, evals_left: int) -> str:
+    """After the run's first step: what it cost by phase, and the rest of the run at that pace (the first
+    step has no Adam state yet and responses change length as the policy learns: an estimate)."""
+    phases = [(k.removeprefix("timing/").removesuffix("_s"), v) for k, v in first.items()
+              if k.startswith("timing/") and k not in ("timing/step_s", "timing/eval_s") and v >= 0.05]
+    split = ", ".join(f"{name} {v:.1f}" for name, v in sorted(phases, key=lambda p: -p[1]))
+    step_s, eval_s = first.get("timing/step_s", 0.0), first.get("timing/eval_s", 0.0)
+    rest = steps_left * step_s + evals_left * eval_s
+    evals = f" + {evals_left} evaluation(s) of {eval_s:.0f} s" if evals_left and eval_s else ""
+    return (f"the first step took {step_s:.1f} s ({split}); the {steps_left} step(s) left{evals}: about "
+            f"{_duration(rest)} at this pace")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
