@@ -11,7 +11,15 @@ import torch.distributed as dist
 
 from megatron_dapo import megatron_cpu, parallel
 from megatron_dapo.actor.batching import MicroBatch, micro_batches, split_rows
-from megatron_dapo.actor.model import ModelSpec, build_model, final_hidden_states, output_weight, param_dtype
+from megatron_dapo.actor.model import (
+    ModelSpec,
+    build_model,
+    final_hidden_states,
+    output_weight,
+    param_dtype,
+    rotary_positions,
+    use_transformer_engine,
+)
 from megatron_dapo.actor.optimizer import build_optimizer, build_scheduler, current_lr, wrap_ddp
 from megatron_dapo.config import ActorConfig, AlgoConfig, ModelConfig, ParallelConfig
 from megatron_dapo.config.sizing import resolve_micro_batches
@@ -65,6 +73,7 @@ class Actor:
         self.loss_impl = actor_cfg.resolved_loss_impl(par_cfg.sequence_parallel)
         if self.loss_impl == "linear" and par_cfg.sequence_parallel:
             raise ValueError("actor.loss_impl=linear does not support parallel.sequence_parallel (use logits or auto)")
+        self.shared_prefix = actor_cfg.resolved_shared_prefix(use_transformer_engine(model_cfg))
         self._offload = HostOffload()
         self._last_update = ""  # the last optimizer step that went through, for the divergence message
 
@@ -125,6 +134,12 @@ class Actor:
         pad = lp.new_zeros(lp.shape[0], 1)
         return torch.cat([pad, lp[:, :-1]], 1), None if ent is None else torch.cat([pad, ent[:, :-1]], 1)
 
+    def _row_stats(self, mb: MicroBatch, out: torch.Tensor, entropy: bool = True,
+                   temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_token_stats` of the sequences the model computed for `mb`, as [rows, width] of its rows."""
+        lp, ent = self._token_stats(out, mb.model_ids.to(out.device), entropy, temperature)
+        return mb.to_rows(lp), None if ent is None else mb.to_rows(ent)
+
     def _forward(self, micro: list[MicroBatch], loss_func, forward_only: bool) -> list[Any]:
         megatron_cpu.enter_thread()
         if self.loss_impl == "linear":
@@ -137,14 +152,19 @@ class Actor:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            out = model(mb.input_ids.to(parallel.device()), mb.position_ids.to(parallel.device()), None)
+            ids, pos, mask = (t if t is None else t.to(parallel.device()) for t in mb.model_inputs())
+            with rotary_positions(self.module, None if mask is None else pos):
+                out = model(ids, pos, mask)
             return out, partial(loss_func, mb)
 
-        seq = max(m.shape[1] for m in micro)
+        seq = max(m.model_shape[1] for m in micro)
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro), model=[self.ddp],
-            num_microbatches=len(micro), seq_length=seq, micro_batch_size=max(m.shape[0] for m in micro),
+            num_microbatches=len(micro), seq_length=seq, micro_batch_size=max(m.model_shape[0] for m in micro),
             forward_only=forward_only)
+
+    def _micro_batches(self, batch: TrainBatch, token_budget: int) -> list[MicroBatch]:
+        return micro_batches(batch, token_budget, shared_prefix=self.shared_prefix)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, temperature: float | None = None
@@ -152,12 +172,12 @@ class Actor:
         """Per-token logprobs and entropies [B, S] of `batch` under the current policy (all ranks), at the
         rollout's temperature unless `temperature` is given."""
         self._check_awake(("weights",))
-        micro = micro_batches(batch, self.cfg.logprob_micro_batch_tokens)
+        micro = self._micro_batches(batch, self.cfg.logprob_micro_batch_tokens)
         out_lp = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         out_ent = torch.zeros_like(out_lp)
 
         def collect(mb: MicroBatch, logits: torch.Tensor):
-            lp, ent = self._token_stats(logits, mb.input_ids.to(logits.device), temperature=temperature)
+            lp, ent = self._row_stats(mb, logits, temperature=temperature)
             width = mb.shape[1]
             out_lp[mb.rows, :width] = lp.cpu()
             out_ent[mb.rows, :width] = ent.cpu()
@@ -174,17 +194,31 @@ class Actor:
     # --- the DAPO update ---------------------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch, *, num_mini_batches: int = 1, epochs: int = 1) -> dict[str, float]:
-        """`epochs` x `num_mini_batches` optimizer updates on this DP rank's rows (needs old_logprobs)."""
+        """`epochs` x `num_mini_batches` optimizer updates on this DP rank's rows (needs old_logprobs): the
+        updates' mean statistics, and the step's token counts over all DP ranks (`perf_scalars`)."""
         self._check_awake()
         if batch.old_logprobs is None:
             raise ValueError("train_step needs batch.old_logprobs (call compute_logprobs first)")
-        history = []
+        history, counts = [], torch.zeros(3, dtype=torch.float64)
         for _ in range(epochs):
             for mini in split_rows(batch, num_mini_batches):
-                history.append(self._update(mini))
-        return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+                micro = self._micro_batches(mini, self.cfg.micro_batch_tokens)
+                counts += torch.tensor([m.token_counts() for m in micro], dtype=torch.float64).sum(0)
+                history.append(self._update(mini, micro))
+        out = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+        return {**out, **self._perf_scalars(counts)}
 
-    def _update(self, mini: TrainBatch) -> dict[str, float]:
+    def _perf_scalars(self, counts: torch.Tensor) -> dict[str, float]:
+        """Collective over DP. perf/trained_tokens: positions the updates computed (padding included);
+        perf/pad_frac: the padding's share of them; perf/prefix_saved_frac: the share of the rows' tokens
+        not computed because a group's rows shared their prompt (actor.shared_prefix; 0 when off)."""
+        if dist.is_initialized() and parallel.dp_size() > 1:
+            dist.all_reduce(counts, group=parallel.dp_group())
+        computed, pad, rows = counts.tolist()
+        return {"perf/trained_tokens": computed, "perf/pad_frac": pad / max(computed, 1.0),
+                "perf/prefix_saved_frac": 1.0 - (computed - pad) / max(rows, 1.0)}
+
+    def _update(self, mini: TrainBatch, micro: list[MicroBatch]) -> dict[str, float]:
         counts = torch.tensor([float(mini.loss_mask.sum()), float((mini.loss_mask.sum(1) > 0).sum())])
         if dist.is_initialized() and parallel.dp_size() > 1:
             dist.all_reduce(counts, group=parallel.dp_group())
@@ -194,7 +228,7 @@ class Actor:
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             dev = logits.device
-            lp, ent = self._token_stats(logits, mb.input_ids.to(dev), entropy=True)
+            lp, ent = self._row_stats(mb, logits, entropy=True)
             is_weights = None if mb.is_weights is None else mb.is_weights.to(dev)
             loss, m = loss_from_logprobs(
                 lp, ent, mb.old_logprobs.to(dev), mb.advantages.to(dev), mb.loss_mask.to(dev),
@@ -211,7 +245,7 @@ class Actor:
         self.scheduler.step(1)  # warm-up counts this update: update k uses lr * (k+1) / warmup_steps
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._forward(micro_batches(mini, self.cfg.micro_batch_tokens), loss_func, forward_only=False)
+        self._forward(micro, loss_func, forward_only=False)
         metrics = self._reduce_stats(stats)
         if metrics["nonfinite"]:
             # NaN/Inf in the loss or any gradient: skip the update so nothing is corrupted

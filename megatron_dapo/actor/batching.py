@@ -1,4 +1,5 @@
-"""Split a TrainBatch into mini-batches (one optimizer update each) and token-budget micro-batches."""
+"""Split a TrainBatch into mini-batches (one optimizer update each) and token-budget micro-batches, per row
+or with each group's shared prompt computed once (actor/prefix.py)."""
 
 from __future__ import annotations
 
@@ -6,24 +7,56 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_dapo.actor.prefix import PackedRows, Unit, pack_bins, pack_units, prefix_units
 from megatron_dapo.types import TrainBatch
 
 
 @dataclass
 class MicroBatch:
-    """Rows of a TrainBatch, trimmed to their longest sequence; `rows` index the parent batch."""
+    """Rows of a TrainBatch, trimmed to their longest sequence; `rows` index the parent batch. With `packed`,
+    the model computes the packed sequences instead and `to_rows` maps its per-token output back."""
 
     rows: torch.Tensor
     input_ids: torch.Tensor
     position_ids: torch.Tensor
+    lengths: torch.Tensor
     loss_mask: torch.Tensor
     advantages: torch.Tensor
     old_logprobs: torch.Tensor | None
     is_weights: torch.Tensor | None = None
+    packed: PackedRows | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
+        """[rows, width] of the per-row tensors."""
         return tuple(self.input_ids.shape)  # type: ignore[return-value]
+
+    @property
+    def model_shape(self) -> tuple[int, int]:
+        """[sequences, length] the model computes."""
+        return tuple(self.model_ids.shape)  # type: ignore[return-value]
+
+    @property
+    def model_ids(self) -> torch.Tensor:
+        return self.input_ids if self.packed is None else self.packed.input_ids
+
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(input_ids, position_ids, attention mask or None = causal) of the sequences the model computes."""
+        if self.packed is None:
+            return self.input_ids, self.position_ids, None
+        return self.packed.input_ids, self.packed.position_ids, self.packed.attention_mask
+
+    def to_rows(self, stats: torch.Tensor) -> torch.Tensor:
+        """Per-token statistics of the model's sequences -> [rows, width]."""
+        return stats if self.packed is None else self.packed.to_rows(stats)
+
+    def token_counts(self) -> tuple[int, int, int]:
+        """(positions the model computes, padding among them, row tokens): row tokens minus the computed
+        non-padding ones is what sharing the prompts saved."""
+        rows_total = int(self.lengths.sum())
+        computed = self.model_shape[0] * self.model_shape[1]
+        real = rows_total if self.packed is None else int(self.packed.real_tokens)
+        return computed, computed - real, rows_total
 
 
 def pack_rows(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -46,20 +79,34 @@ def pack_rows(lengths: list[int], token_budget: int) -> list[list[int]]:
     return packs
 
 
-def micro_batches(batch: TrainBatch, token_budget: int) -> list[MicroBatch]:
+def micro_batches(batch: TrainBatch, token_budget: int, *, shared_prefix: bool = False) -> list[MicroBatch]:
+    """Rows packed into micro-batches of <= token_budget computed positions (a longer sequence goes alone).
+    `shared_prefix`: the rows of a group are computed as one unit with their common prefix once, and the
+    units are packed into sequences as long as the longest one (actor/prefix.py); per row when no group of
+    the batch has two rows sharing a token."""
+    if shared_prefix:
+        units = prefix_units(batch, token_budget)
+        if any(len(u.rows) > 1 for u in units):
+            micro = pack_bins([u.packed_len for u in units], token_budget)
+            return [_packed_micro_batch(batch, [[units[i] for i in seq] for seq in bins]) for bins in micro]
     lengths = [int(n) for n in batch.lengths.tolist()]
-    out = []
-    for rows in pack_rows(lengths, token_budget):
-        idx = torch.tensor(rows, dtype=torch.long)
-        width = max(lengths[i] for i in rows)
-        ids = batch.input_ids[idx, :width]
-        out.append(MicroBatch(
-            rows=idx, input_ids=ids,
-            position_ids=torch.arange(width).unsqueeze(0).expand(len(rows), -1),
-            loss_mask=batch.loss_mask[idx, :width], advantages=batch.advantages[idx],
-            old_logprobs=None if batch.old_logprobs is None else batch.old_logprobs[idx, :width],
-            is_weights=None if batch.is_weights is None else batch.is_weights[idx, :width]))
-    return out
+    return [_micro_batch(batch, rows) for rows in pack_rows(lengths, token_budget)]
+
+
+def _micro_batch(batch: TrainBatch, rows: list[int], packed: PackedRows | None = None) -> MicroBatch:
+    idx = torch.tensor(rows, dtype=torch.long)
+    width = int(batch.lengths[idx].max())
+    ids = batch.input_ids[idx, :width]
+    return MicroBatch(
+        rows=idx, input_ids=ids, position_ids=torch.arange(width).unsqueeze(0).expand(len(rows), -1),
+        lengths=batch.lengths[idx], loss_mask=batch.loss_mask[idx, :width], advantages=batch.advantages[idx],
+        old_logprobs=None if batch.old_logprobs is None else batch.old_logprobs[idx, :width],
+        is_weights=None if batch.is_weights is None else batch.is_weights[idx, :width], packed=packed)
+
+
+def _packed_micro_batch(batch: TrainBatch, bins: list[list[Unit]]) -> MicroBatch:
+    rows = [i for units in bins for u in units for i in u.rows]
+    return _micro_batch(batch, rows, pack_units(batch, bins))
 
 
 def split_rows(batch: TrainBatch, num_parts: int) -> list[TrainBatch]:

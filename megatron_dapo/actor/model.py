@@ -325,3 +325,25 @@ def final_hidden_states(model: Any) -> Iterator[None]:
         yield
     finally:
         del layer.forward
+
+
+@contextmanager
+def rotary_positions(model: Any, position_ids: torch.Tensor | None) -> Iterator[None]:
+    """Inside, `model`'s rotary embedding rotates token (b, s) by position_ids[b, s] instead of s: megatron-core
+    0.16.1's GPTModel ignores position_ids for RoPE (it rotates by 0..s-1). The angles come from Megatron's
+    own table, so a row whose position_ids are 0..s-1 gets exactly the default rotation. None: unchanged."""
+    rope = getattr(model, "rotary_pos_emb", None)
+    if position_ids is None or rope is None:
+        yield
+        return
+    table = type(rope).forward(rope, int(position_ids.max()) + 1)  # [positions, 1, 1, dim]
+    freqs = table[position_ids.t().to(table.device), 0]  # [s, b, 1, dim]: broadcast over the heads
+
+    def per_token(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return freqs
+
+    rope.forward = per_token  # an instance attribute shadows the class's forward
+    try:
+        yield
+    finally:
+        del rope.forward

@@ -83,12 +83,31 @@ class ActorConfig:
     """How the loss reads the model: logits = the output layer's logits in the model's dtype, streamed
     through the fused kernels (no fp32 copy); linear = final hidden states + the output weight fused into
     the kernels (no logits tensor at all); auto = linear, or logits with parallel.sequence_parallel."""
+    shared_prefix: Literal["auto"] | bool = "auto"
+    """Compute each group's prompt once (pi_old and the updates): the G responses follow one copy of the prompt
+    in one sequence, each attending to the prompt and to itself only, at its own positions; exact (the same
+    logprobs, loss and gradients as per sample). Such units (a group, or as much of it as fits the micro-batch
+    budget) are packed into sequences as long as the longest unit, which also removes most padding. The local
+    attention is a dense masked softmax: its cost per sequence is length^2 (masked pairs included), so a
+    sequence of G responses costs up to G times the attention of the G samples when responses are long next
+    to the prompt, while everything else shrinks. auto = on with the local layer spec; Transformer Engine's
+    causal attention ignores an arbitrary mask: off with it, and on (true) with it is an error. YAML reads
+    on/off as true/false."""
 
     def resolved_loss_impl(self, sequence_parallel: bool) -> str:
         """"logits" or "linear": auto is linear unless the hidden states are sequence-sharded."""
         if self.loss_impl == "auto":
             return "logits" if sequence_parallel else "linear"
         return self.loss_impl
+
+    def resolved_shared_prefix(self, transformer_engine: bool) -> bool:
+        """Whether the actor shares each group's prompt (`transformer_engine`: the TE layer spec is in use)."""
+        if self.shared_prefix == "auto":
+            return not transformer_engine
+        if self.shared_prefix and transformer_engine:
+            raise ValueError("actor.shared_prefix=on needs the local layer spec (model.transformer_impl=local): "
+                             "Transformer Engine's causal attention ignores the block mask")
+        return bool(self.shared_prefix)
 
 
 DEFAULT_BUCKET_MB = {"tensor": 512, "distributed": 256, "disk": 1024}

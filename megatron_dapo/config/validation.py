@@ -52,6 +52,9 @@ def _problems(cfg: Config) -> list[str]:
         p.append("parallel.sequence_parallel needs parallel.tensor_parallel > 1")
     if cfg.parallel.sequence_parallel and cfg.actor.loss_impl == "linear":
         p.append("actor.loss_impl=linear does not support parallel.sequence_parallel (use logits or auto)")
+    if cfg.actor.shared_prefix is True and cfg.model.transformer_impl == "transformer_engine":
+        p.append("actor.shared_prefix=on needs model.transformer_impl=local (Transformer Engine's causal "
+                 "attention ignores the block mask; auto turns it off)")
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not os.path.isdir(resume):
         p.append(f"checkpoint.resume={resume!r} must be auto, none or an existing checkpoint folder")

@@ -1,0 +1,209 @@
+"""Shared-prefix packing (actor.shared_prefix): the rows of a group share their prompt, so the prompt is
+computed once and every response attends to its keys and values.
+
+A unit (a group, or part of one that fits the token budget) whose rows share their first c tokens becomes
+one sequence: the prefix (tokens 0..c-2) followed by one segment per row, each the row's token c-1 and
+everything after it. Each segment attends causally to the prefix and to itself only, and its positions
+continue at c-1, so every position sees exactly the keys, values and rotary positions it sees in its own
+row: the computation is exact. Copying token c-1 into each segment (one extra token per row) keeps
+"position p predicts the token at p+1" true inside every segment, so the logprob kernels run unchanged on
+the packed sequence and `gather` maps their output back to the per-row layout: row position t < c reads
+the prefix (t = c-1: the first segment's copy, whose predecessor is the prefix's last token), t >= c its
+own segment. Several units can share one sequence (each sees its own positions only), which leaves little
+padding: `pack_bins`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_dapo.types import TrainBatch
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Batch rows computed as one packed sequence; `shared` leading tokens are common to all of them."""
+
+    rows: tuple[int, ...]
+    lengths: tuple[int, ...]
+    shared: int
+
+    @property
+    def packed_len(self) -> int:
+        """The prefix (shared - 1 tokens) plus one segment (its copy of token shared-1, then the rest) per row."""
+        return self.shared - 1 + sum(n - self.shared + 1 for n in self.lengths)
+
+    @staticmethod
+    def alone(row: int, length: int) -> Unit:
+        """A row by itself: the packed sequence is the row."""
+        return Unit((row,), (length,), length)
+
+
+@dataclass
+class PackedRows:
+    """The model's view of a micro-batch of units: P sequences of one or more units each, right-padded to L."""
+
+    input_ids: torch.Tensor
+    """[P, L] int64."""
+    position_ids: torch.Tensor
+    """[P, L] int64: each token's position in its own row (the rotary positions)."""
+    attention_mask: torch.Tensor
+    """[P, 1, L, L] bool, True = masked (Megatron's convention)."""
+    gather: torch.Tensor
+    """[n, width] int64: for row j's position t, the flat index into [P * L] of the packed position whose
+    per-token statistics (logprob of token t, entropy at t-1) are those of row j at t."""
+    valid: torch.Tensor
+    """[n, width] bool: t < length of row j (the rest is the row's padding and reads as 0)."""
+    real_tokens: int
+    """Positions of the packed sequences that are not padding."""
+
+    def to_rows(self, stats: torch.Tensor) -> torch.Tensor:
+        """[P, L] per-token statistics of the packed sequences -> [n, width] per row (differentiable)."""
+        picked = stats.reshape(-1)[self.gather.to(stats.device)]
+        return torch.where(self.valid.to(stats.device), picked, picked.new_zeros(()))
+
+
+def common_prefix(ids: torch.Tensor) -> int:
+    """The number of leading tokens all rows of `ids` [n, m] have in common."""
+    differs = (ids != ids[:1]).any(0).nonzero()
+    return int(differs[0]) if len(differs) else int(ids.shape[1])
+
+
+def group_rows(batch: TrainBatch) -> list[list[int]]:
+    """Rows of the same prompt, in order of first appearance: by `prompt_index`; without it, by identical
+    prompt tokens (those before the first generated token of `response_mask`); without either, each row
+    alone (nothing is known to be shared)."""
+    n = len(batch)
+    if batch.prompt_index is not None:
+        keys: list[object] = batch.prompt_index.tolist()
+    elif batch.response_mask is not None:
+        starts = [int(r.nonzero()[0]) if r.any() else int(length) for r, length in
+                  zip(batch.response_mask, batch.lengths.tolist())]
+        keys = [tuple(batch.input_ids[i, :s].tolist()) for i, s in enumerate(starts)]
+    else:
+        keys = list(range(n))
+    groups: dict[object, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def prefix_units(batch: TrainBatch, token_budget: int) -> list[Unit]:
+    """Every row in exactly one unit. A group's rows share their longest common prefix (at least the
+    prompt); a group longer than `token_budget` packed is split into consecutive units that fit (a unit
+    holds one row at least)."""
+    lengths = [int(n) for n in batch.lengths.tolist()]
+    units: list[Unit] = []
+    for rows in group_rows(batch):
+        shortest = min(lengths[i] for i in rows)
+        shared = common_prefix(batch.input_ids[rows, :shortest]) if len(rows) > 1 else 0
+        if shared == 0:
+            units += [Unit.alone(i, lengths[i]) for i in rows]
+            continue
+        units += _split(rows, lengths, shared, token_budget)
+    return units
+
+
+def _split(rows: list[int], lengths: list[int], shared: int, token_budget: int) -> list[Unit]:
+    out: list[Unit] = []
+    current: list[int] = []
+    for i in rows:
+        trial = Unit(tuple(current + [i]), tuple(lengths[j] for j in current + [i]), shared)
+        if current and trial.packed_len > token_budget:
+            out.append(Unit(tuple(current), tuple(lengths[j] for j in current), shared))
+            current = []
+        current.append(i)
+    out.append(Unit(tuple(current), tuple(lengths[j] for j in current), shared))
+    return [u if len(u.rows) > 1 else Unit.alone(u.rows[0], u.lengths[0]) for u in out]
+
+
+@dataclass
+class _Layout:
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    segments: torch.Tensor
+    """0 = the prefix, k = row k's segment (1-based)."""
+    index: list[torch.Tensor]
+    """Per row: packed position of each of its positions 0..length-1."""
+
+
+def _layout(unit: Unit, ids: torch.Tensor) -> _Layout:
+    c = unit.shared
+    tokens, positions = [ids[unit.rows[0], : c - 1]], [torch.arange(c - 1)]
+    segments, index = [torch.zeros(c - 1, dtype=torch.long)], []
+    start = c - 1
+    for k, (row, n) in enumerate(zip(unit.rows, unit.lengths), 1):
+        size = n - c + 1
+        tokens.append(ids[row, c - 1 : n])
+        positions.append(torch.arange(c - 1, n))
+        segments.append(torch.full((size,), k, dtype=torch.long))
+        index.append(torch.cat([torch.arange(c), start + torch.arange(1, size)]))
+        start += size
+    return _Layout(torch.cat(tokens), torch.cat(positions), torch.cat(segments), index)
+
+
+def pack_bins(lengths: list[int], token_budget: int) -> list[list[list[int]]]:
+    """Micro-batches of sequences of units (indices into `lengths`): units are taken longest first and each
+    goes into the first sequence of the current micro-batch with room for it; a micro-batch's sequences are
+    as long as its longest unit (so no sequence is longer than with one unit each: the dense attention
+    costs no more per sequence) and there are at most max(1, token_budget // that) of them."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    micro: list[list[list[int]]] = []
+    bins: list[list[int]] = []
+    free: list[int] = []
+    width = 0
+    for i in order:
+        fit = next((b for b, room in enumerate(free) if lengths[i] <= room), None)
+        if fit is None:
+            if bins and (len(bins) + 1) * width > token_budget:
+                micro.append(bins)
+                bins, free = [], []
+            if not bins:
+                width = lengths[i]
+            bins.append([])
+            free.append(width)
+            fit = len(bins) - 1
+        bins[fit].append(i)
+        free[fit] -= lengths[i]
+    if bins:
+        micro.append(bins)
+    return micro
+
+
+def block_mask(units: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    """[L, L] bool, True = masked, for a sequence whose position p belongs to unit units[p] (-1 = padding)
+    and segment segments[p] of it (0 = its prefix): causal, and a query sees its own unit's prefix and its
+    own segment only (padding sees padding)."""
+    causal = torch.ones(len(units), len(units), dtype=torch.bool).tril()
+    same_unit = units[None, :] == units[:, None]
+    visible = (segments[None, :] == 0) | (segments[None, :] == segments[:, None])
+    return ~(causal & same_unit & visible)
+
+
+def pack_units(batch: TrainBatch, bins: list[list[Unit]], pad_id: int = 0) -> PackedRows:
+    """One sequence per bin (its units one after the other, then padding) and the map back to the rows,
+    in bin and unit order."""
+    layouts = [[_layout(u, batch.input_ids) for u in units] for units in bins]
+    width = max(sum(len(lay.tokens) for lay in lays) for lays in layouts)
+    lengths = [n for units in bins for u in units for n in u.lengths]
+    ids = torch.full((len(bins), width), pad_id, dtype=torch.long)
+    pos = torch.zeros(len(bins), width, dtype=torch.long)
+    unit_of = torch.full((len(bins), width), -1, dtype=torch.long)
+    seg = torch.full((len(bins), width), -1, dtype=torch.long)
+    gather = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    j = 0
+    for p, lays in enumerate(layouts):
+        start = 0
+        for k, lay in enumerate(lays):
+            span = slice(start, start + len(lay.tokens))
+            ids[p, span], pos[p, span], seg[p, span] = lay.tokens, lay.positions, lay.segments
+            unit_of[p, span] = k
+            for idx in lay.index:
+                gather[j, : len(idx)] = p * width + start + idx
+                j += 1
+            start += len(lay.tokens)
+    valid = torch.arange(gather.shape[1])[None, :] < torch.tensor(lengths)[:, None]
+    mask = torch.stack([block_mask(u, s) for u, s in zip(unit_of, seg)]).unsqueeze(1)
+    return PackedRows(ids, pos, mask, gather, valid, real_tokens=int((unit_of >= 0).sum()))

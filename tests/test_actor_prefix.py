@@ -1,0 +1,199 @@
+"""actor.shared_prefix: each group's prompt computed once (actor/prefix.py). The packed layout gives every
+position exactly the (position, token) context it has in its own row (checked here without a model); the
+Megatron actor then gives the same pi_old logprobs, losses and gradients as per row at TP1, TP2 and PP2, and
+for a mixture-of-experts model (tests/workers/prefix_worker.py under torchrun, gloo); and the step's token
+monitors."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from workers.prefix_worker import CASES, GROUPS, grouped_batch
+
+from megatron_dapo.actor.batching import micro_batches
+from megatron_dapo.actor.prefix import Unit, group_rows, pack_bins, pack_units, prefix_units
+from megatron_dapo.config import ActorConfig
+from megatron_dapo.parallel import free_port
+from megatron_dapo.types import TrainBatch
+
+WORKER = Path(__file__).parent / "workers" / "prefix_worker.py"
+
+
+def test_units_share_each_groups_longest_common_prefix():
+    batch = grouped_batch()
+    units = prefix_units(batch, token_budget=1000)
+    assert [u.rows for u in units] == [tuple(range(4 * k, 4 * k + 4)) for k in range(len(GROUPS))]
+    for u, (prompt, lengths, lead) in zip(units, GROUPS):
+        assert u.shared == prompt + lead  # the prompt, plus the tokens every response starts with
+        assert u.packed_len == u.shared - 1 + sum(n + prompt - u.shared + 1 for n in lengths)
+    assert sum(u.packed_len for u in units) < int(batch.lengths.sum())
+
+
+def test_a_group_longer_than_the_budget_is_split():
+    batch = grouped_batch()
+    units = prefix_units(batch, token_budget=20)
+    assert sorted(i for u in units for i in u.rows) == list(range(len(batch)))
+    assert len(units) > len(GROUPS)
+    for u in units:
+        assert u.packed_len <= 20 or len(u.rows) == 1
+        if len(u.rows) == 1:  # a row on its own is computed as it is
+            assert u == Unit.alone(u.rows[0], int(batch.lengths[u.rows[0]]))
+
+
+def context(ids: torch.Tensor, pos: torch.Tensor, masked: torch.Tensor, q: int) -> list[tuple[int, int]]:
+    """(position, token) of every key packed position q attends to, q included."""
+    keys = (~masked[q]).nonzero().flatten().tolist()
+    return sorted((int(pos[k]), int(ids[k])) for k in keys)
+
+
+def bins_of(batch: TrainBatch, budget: int) -> list[list[Unit]]:
+    """All the units of `batch`, packed as the first micro-batch of a budget would be (whatever its size)."""
+    units = prefix_units(batch, token_budget=budget)
+    return [[units[i] for i in seq] for bins in pack_bins([u.packed_len for u in units], budget) for seq in bins]
+
+
+def test_pack_bins():
+    lengths = [10, 3, 7, 10, 2, 30, 5, 4]
+    micro = pack_bins(lengths, token_budget=40)
+    assert sorted(i for bins in micro for seq in bins for i in seq) == list(range(len(lengths)))
+    assert micro[0] == [[5]]  # 30 long: one more 30-long sequence would pass the budget
+    for bins in micro:
+        width = max(sum(lengths[i] for i in seq) for seq in bins)
+        assert width == max(lengths[i] for seq in bins for i in seq)  # no sequence longer than its longest unit
+        assert len(bins) * width <= 40
+    assert micro[1] == [[0], [3], [2, 1], [6, 7]] and micro[2] == [[4]]
+
+
+@pytest.mark.parametrize("budget", [1000, 40, 20])
+def test_every_row_position_sees_exactly_its_own_row(budget):
+    """The exactness argument, checked position by position: the packed position that serves row j at t
+    holds token t at position t and attends to exactly (s, token s) for s <= t of row j."""
+    batch = grouped_batch()
+    bins = bins_of(batch, budget)
+    packed = pack_units(batch, bins)
+    units = [u for seq in bins for u in seq]
+    rows = [i for u in units for i in u.rows]
+    width = packed.input_ids.shape[1]
+    for j, row in enumerate(rows):
+        n = int(batch.lengths[row])
+        tokens = batch.input_ids[row, :n].tolist()
+        assert packed.valid[j].tolist() == [t < n for t in range(packed.valid.shape[1])]
+        for t in range(n):
+            p, q = divmod(int(packed.gather[j, t]), width)
+            ids, pos, masked = packed.input_ids[p], packed.position_ids[p], packed.attention_mask[p, 0]
+            assert (int(pos[q]), int(ids[q])) == (t, tokens[t])
+            assert context(ids, pos, masked, q) == list(enumerate(tokens[: t + 1]))
+            if t > 0:  # the kernels read token t's logprob from the logits of the packed position before q
+                assert context(ids, pos, masked, q - 1) == list(enumerate(tokens[:t]))
+    assert packed.real_tokens == sum(u.packed_len for u in units)
+
+
+def test_to_rows_maps_statistics_back_and_zeroes_padding():
+    batch = grouped_batch()
+    packed = pack_units(batch, [[u] for u in prefix_units(batch, token_budget=1000)])
+    stats = packed.position_ids.float().requires_grad_()  # statistic = the position: easy to read back
+    rows = packed.to_rows(stats)
+    want = torch.arange(rows.shape[1]).float().expand_as(rows) * packed.valid
+    assert torch.equal(rows, want)
+    rows.sum().backward()  # a shared prefix position collects the gradient of every row that reads it
+    assert stats.grad[0, 0] == 4
+
+
+def test_groups_without_prompt_index():
+    batch = grouped_batch()
+    by_tokens = TrainBatch(input_ids=batch.input_ids, loss_mask=batch.loss_mask, advantages=batch.advantages,
+                           lengths=batch.lengths, response_mask=batch.response_mask)
+    assert group_rows(by_tokens) == group_rows(batch) == [[4 * k + i for i in range(4)] for k in range(4)]
+    unknown = TrainBatch(input_ids=batch.input_ids, loss_mask=batch.loss_mask, advantages=batch.advantages,
+                         lengths=batch.lengths)
+    assert group_rows(unknown) == [[i] for i in range(len(batch))]
+    plain = micro_batches(unknown, 40, shared_prefix=True)  # nothing known to be shared: per row
+    assert all(m.packed is None for m in plain)
+
+
+def test_token_counts():
+    batch = grouped_batch()
+    total = int(batch.lengths.sum())
+    plain = [m.token_counts() for m in micro_batches(batch, 40)]
+    assert sum(c[2] for c in plain) == total
+    assert sum(c[0] - c[1] for c in plain) == total  # per row, every non-padding position is a row token
+    shared = [m.token_counts() for m in micro_batches(batch, 40, shared_prefix=True)]
+    assert sum(c[2] for c in shared) == total
+    assert sum(c[0] - c[1] for c in shared) == sum(u.packed_len for u in prefix_units(batch, 40))
+
+
+def test_config_resolution():
+    assert ActorConfig().resolved_shared_prefix(transformer_engine=False) is True
+    assert ActorConfig().resolved_shared_prefix(transformer_engine=True) is False
+    assert ActorConfig(shared_prefix=False).resolved_shared_prefix(transformer_engine=False) is False
+    with pytest.raises(ValueError, match="local layer spec"):
+        ActorConfig(shared_prefix=True).resolved_shared_prefix(transformer_engine=True)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    from megatron_dapo.tiny import save_tiny_model
+
+    root = tmp_path_factory.mktemp("m")
+    return {family: save_tiny_model(root / family, family, seed=5, vocab_size=200, max_position_embeddings=64)
+            for family in ("qwen2", "qwen3_moe")}
+
+
+def run(model_dir: Path, out: Path, tp: int, pp: int, env: dict) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    nproc = tp * pp
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), str(WORKER), str(model_dir), str(out), str(tp), str(pp)]
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return [torch.load(out / f"rank_{i}.pt", weights_only=False) for i in range(nproc)]
+
+
+@pytest.mark.parametrize("family, tp, pp", [("qwen2", 1, 1), ("qwen2", 2, 1), ("qwen2", 1, 2), ("qwen3_moe", 1, 1)],
+                         ids=["tp1", "tp2", "pp2", "moe"])
+def test_shared_prefix_equals_per_row(model_dirs, tmp_path, python_env, family, tp, pp):
+    ranks = run(model_dirs[family], tmp_path, tp, pp, python_env)
+    for rank in ranks:
+        for case in CASES:
+            off, on = rank[case]["off"], rank[case]["on"]
+            assert (off["shared"], on["shared"]) == (False, True)
+            lengths = rank[case]["lengths"]
+            valid = torch.arange(off["logprobs"].shape[1])[None, :] < lengths[:, None]
+            for key in ("logprobs", "entropy"):  # pi_old
+                assert (on[key] - off[key])[valid].abs().max() < 2e-6, (case, key)
+            for key in ("loss", "tokens", "clipfrac_high", "clipfrac_low", "entropy", "approx_kl", "grad_norm"):
+                assert on["metrics"][key] == pytest.approx(off["metrics"][key], rel=1e-5, abs=1e-7), (case, key)
+            assert on["grads"].keys() == off["grads"].keys()
+            for name, g in off["grads"].items():
+                check_grad(on["grads"][name], g, moe=family.endswith("moe"), what=f"{case} {name}")
+            check_token_monitors(off["metrics"], on["metrics"], int(lengths.sum()))
+
+
+def check_grad(got: torch.Tensor, want: torch.Tensor, *, moe: bool, what: str) -> None:
+    """Dense: elementwise. MoE: relative to the norm, since the per-row path's own fp32 noise (different
+    micro-batch sizes: expert matmuls over other token counts) is up to 1.4e-4 of it in GSPO's update."""
+    if moe:
+        assert (got - want).norm() <= 5e-4 * want.norm(), what
+    else:
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-4, msg=lambda m: f"{what}: {m}")
+
+
+def check_token_monitors(off: dict, on: dict, row_tokens: int) -> None:
+    def real(m: dict) -> float:
+        return m["perf/trained_tokens"] * (1 - m["perf/pad_frac"])
+
+    assert off["perf/prefix_saved_frac"] == 0.0 and off["perf/pad_frac"] > 0
+    assert real(off) == pytest.approx(row_tokens)
+    assert on["perf/trained_tokens"] < off["perf/trained_tokens"]
+    assert real(on) == pytest.approx(row_tokens * (1 - on["perf/prefix_saved_frac"]))
+    assert on["perf/prefix_saved_frac"] > 0.3
+
+
+def test_on_with_transformer_engine_is_a_config_error():
+    from megatron_dapo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="shared_prefix=on needs model.transformer_impl=local"):
+        load_config(None, ["actor.shared_prefix=on", "model.transformer_impl=transformer_engine"])
+    assert load_config(None, ["actor.shared_prefix=off"]).actor.shared_prefix is False
