@@ -24,7 +24,7 @@ TAGS = [
     "memory/engine_bytes_generate", "memory/engine_bytes_train", "memory/engine_bytes_sync",
     "memory/actor_asleep_in_generate",
     "val/pass_at_k", "val/maj_at_k", "val/response_length_mean", "timing/eval_s", "perf/rollout_tokens_per_s",
-    "reward/failures", "alarm/no_correct_answers",
+    "reward/failures", "alarm/no_correct_answers", "perf/pad_frac", "perf/trained_tokens", "perf/prefix_saved_frac",
 ]
 # The test base is trained for seconds and may answer nothing right on a busy machine: the paper's accuracy
 # filter would then keep no group (no update, no actor/* monitors); the score filter keeps length-shaped ones.

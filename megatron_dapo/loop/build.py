@@ -96,6 +96,7 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
     except (UnsupportedModelError, HFCheckpointError) as e:
         raise SetupError(f"model.hf_dir={hf_dir}: {e}") from None
     report.micro_batch_tokens = (actor.cfg.micro_batch_tokens, actor.cfg.logprob_micro_batch_tokens)
+    report.shared_prefix = actor.shared_prefix
     if cfg.model.load:
         try:
             load_checkpoint(actor, cfg.model.load, load_optimizer=False, load_rng=False)

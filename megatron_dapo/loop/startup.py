@@ -42,6 +42,8 @@ class StartupReport:
     actor_bytes_at_engine_start: int = 0
     micro_batch_tokens: tuple[int, int] = (0, 0)
     """The actor's token budgets (train, pi_old), resolved from the vocabulary when configured as 0."""
+    shared_prefix: bool = False
+    """actor.shared_prefix resolved: each group's prompt computed once."""
     old_logprobs: str = ""
     """Where pi_old comes from and why (OldLogprobSource.line)."""
 
@@ -59,7 +61,9 @@ class StartupReport:
             f"model: {model.get('model_type', '?')} ({arch}), {_count(hf_parameter_count(cfg.model.hf_dir))}, "
             f"vocab {model.get('vocab_size', '?')}",
             f"layout: TP={tp} x PP={pp} x DP={parallel.dp_size()} (world {parallel.world_size()}); micro-batches "
-            f"{self.micro_batch_tokens[0]} / {self.micro_batch_tokens[1]} tokens (train / pi_old)",
+            f"{self.micro_batch_tokens[0]} / {self.micro_batch_tokens[1]} tokens (train / pi_old); "
+            + ("a group's prompt computed once, its responses packed behind it" if self.shared_prefix
+               else "one row per sample") + f" (actor.shared_prefix={cfg.actor.shared_prefix})",
             f"weights: {weights}",
             f"rollout engine: {self.engine}; started with the actor "
             + ("asleep" if not self.actor_bytes_at_engine_start
