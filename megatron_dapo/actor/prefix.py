@@ -11,6 +11,10 @@ the packed sequence and `gather` maps their output back to the per-row layout: r
 the prefix (t = c-1: the first segment's copy, whose predecessor is the prefix's last token), t >= c its
 own segment. Several units can share one sequence (each sees its own positions only), which leaves little
 padding: `pack_bins`.
+
+Cost: the local attention is a dense masked softmax, length^2 per sequence with the masked pairs, so a
+sequence of G long responses behind a short prompt can cost up to G times the G samples' attention, while
+every other layer computes fewer positions.
 """
 
 from __future__ import annotations

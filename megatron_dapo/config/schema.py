@@ -84,15 +84,9 @@ class ActorConfig:
     through the fused kernels (no fp32 copy); linear = final hidden states + the output weight fused into
     the kernels (no logits tensor at all); auto = linear, or logits with parallel.sequence_parallel."""
     shared_prefix: Literal["auto"] | bool = "auto"
-    """Compute each group's prompt once (pi_old and the updates): the G responses follow one copy of the prompt
-    in one sequence, each attending to the prompt and to itself only, at its own positions; exact (the same
-    logprobs, loss and gradients as per sample). Such units (a group, or as much of it as fits the micro-batch
-    budget) are packed into sequences as long as the longest unit, which also removes most padding. The local
-    attention is a dense masked softmax: its cost per sequence is length^2 (masked pairs included), so a
-    sequence of G responses costs up to G times the attention of the G samples when responses are long next
-    to the prompt, while everything else shrinks. auto = on with the local layer spec; Transformer Engine's
-    causal attention ignores an arbitrary mask: off with it, and on (true) with it is an error. YAML reads
-    on/off as true/false."""
+    """Compute each group's prompt once (pi_old and the updates): its G responses packed behind one copy, each
+    attending to the prompt and itself at its own positions; exact (actor/prefix.py). auto = on with the local
+    layer spec; Transformer Engine ignores the block mask (off; true is an error). YAML: on/off = true/false."""
 
     def resolved_loss_impl(self, sequence_parallel: bool) -> str:
         """"logits" or "linear": auto is linear unless the hidden states are sequence-sharded."""
@@ -102,12 +96,12 @@ class ActorConfig:
 
     def resolved_shared_prefix(self, transformer_engine: bool) -> bool:
         """Whether the actor shares each group's prompt (`transformer_engine`: the TE layer spec is in use)."""
-        if self.shared_prefix == "auto":
-            return not transformer_engine
-        if self.shared_prefix and transformer_engine:
+        if self.shared_prefix == "auto" or not self.shared_prefix:
+            return self.shared_prefix == "auto" and not transformer_engine
+        if transformer_engine:
             raise ValueError("actor.shared_prefix=on needs the local layer spec (model.transformer_impl=local): "
                              "Transformer Engine's causal attention ignores the block mask")
-        return bool(self.shared_prefix)
+        return True
 
 
 DEFAULT_BUCKET_MB = {"tensor": 512, "distributed": 256, "disk": 1024}
@@ -202,8 +196,7 @@ class RewardConfig:
     imported once. A math_verify or user call that raises, times out or returns something else scores -1
     and is counted (reward/failures), the first one logged with its traceback."""
     timeout_s: float = knob(10.0, "[0, inf)", "0 = no limit")
-    """Limit on one call of math_verify or a user reward function (0 = none); math_dapo is bounded and needs
-    none."""
+    """Limit on one call of math_verify or a user reward function (0 = none; math_dapo is bounded)."""
     soft_overlong_punishment: bool = True
     """Add eq. 13's length-aware penalty inside the last cache_len tokens before L_max."""
     overlong_cache_len: int = knob(4096, "[0, inf)")
@@ -235,8 +228,7 @@ class AlgoConfig:
     0.2 (dr_grpo; eps_high = eps_low is vanilla PPO), 4e-4 (gspo); for cispo the cap of its weight
     min(r, eps_high), 5 by default (ScaleRL's)."""
     loss_agg_mode: LossAggMode = "token-mean"
-    """token-mean = DAPO token-level loss; seq-mean-token-mean = GRPO; seq-mean-token-sum. dr_grpo has its own
-    constant normaliser and takes token-mean."""
+    """token-mean = DAPO token-level loss; seq-mean-token-mean = GRPO; seq-mean-token-sum (dr_grpo: token-mean)."""
     entropy_coef: float = knob(0.0, "(-inf, inf)")
     """Entropy bonus in the loss; 0 = entropy is monitored only."""
     overlong_filtering: bool = False
@@ -267,9 +259,8 @@ class AlgoConfig:
     rollout_correction: Literal["auto", "none", "token_tis", "seq_tis", "token_mis", "seq_mis"] = "auto"
     """Importance weights for the train-inference mismatch, w from pi_old / pi_rollout
     (algo/rollout_correction.py): token_tis / seq_tis truncate the token / sequence ratio at the
-    threshold; token_mis / seq_mis drop tokens / whole sequences whose ratio leaves
-    [threshold_low, threshold]. none = no weights. auto = token_tis when rollout.async_steps > 0 (the
-    batch comes from an older policy), else none."""
+    threshold; token_mis / seq_mis drop tokens / whole sequences whose ratio leaves [threshold_low,
+    threshold]. none = no weights. auto = token_tis when rollout.async_steps > 0 (an older policy's batch)."""
     rollout_correction_threshold: float = knob(2.0, "(0, inf)")
     """C: the truncation bound (tis) or the upper end of the kept band (mis); > 0."""
     rollout_correction_threshold_low: float | None = knob(None, "(0, inf)")
@@ -320,8 +311,7 @@ class TrainConfig:
     prompt_batch_size: int = knob(512, "[1, inf)")
     """Prompts per rollout step after dynamic sampling (paper: 512)."""
     mini_batch_size: int = knob(32, "[1, inf)")
-    """Prompts per optimizer update, all their G responses included (paper: 512 responses = 32 prompts x 16,
-    so 16 updates per step)."""
+    """Prompts per optimizer update with their G responses (paper: 32 prompts x 16 = 512, 16 updates a step)."""
     seed: int = knob(1, "[0, inf)")
     """Seeds data order, sampling and initialisation."""
     deterministic: bool = False

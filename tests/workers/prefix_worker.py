@@ -13,7 +13,8 @@ import torch
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
 from megatron_dapo.actor.hf_io import export_hf_weights
-from megatron_dapo.algo.train_batch import build_train_batch
+from megatron_dapo.algo.advantages import group_advantages
+from megatron_dapo.algo.train_batch import build_train_batch, group_rewards, overlong_weights
 from megatron_dapo.config import Config, load_config
 from megatron_dapo.types import Group, Prompt, Sample, TrainBatch
 
@@ -47,7 +48,7 @@ def grouped_batch() -> TrainBatch:
                                   finish_reason="length" if (k, i) == (2, 1) else "stop",
                                   reward=float((i + k) % 3 == 0)))
         groups.append(Group(Prompt(uid=f"p{k}", messages=(), ground_truth="0"), samples))
-    return build_train_batch(groups, overlong_filtering=True)
+    return build_train_batch(groups, group_advantages(group_rewards(groups)), loss_weights=overlong_weights(groups))
 
 
 def old_logprob_shift(batch: TrainBatch) -> torch.Tensor:
