@@ -31,6 +31,29 @@ def test_units_share_each_groups_longest_common_prefix():
     assert sum(u.packed_len for u in units) < int(batch.lengths.sum())
 
 
+def test_a_group_is_shared_only_where_it_costs_less():
+    """Two rows of 10 tokens sharing 6: packed 5 + 2 x 5 = 15 positions. At pair cost c the unit costs
+    15 + 225 c, the rows apart 2 x (10 + 100 c): sharing pays for c < 0.2."""
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 17, 18, 19, 20]])
+    batch = TrainBatch(input_ids=ids, loss_mask=torch.ones(2, 10), advantages=torch.zeros(2),
+                       lengths=torch.tensor([10, 10]), prompt_index=torch.tensor([0, 0]))
+    shared = prefix_units(batch, token_budget=100, pair_cost=0.19)
+    assert [(u.rows, u.shared, u.packed_len) for u in shared] == [((0, 1), 6, 15)]
+    apart = prefix_units(batch, token_budget=100, pair_cost=0.21)
+    assert [u.rows for u in apart] == [(0,), (1,)]
+
+
+def test_the_pair_cost_is_the_models_flop_ratio():
+    """SmolLM2-135M's shape: q = 9 x 64 = 576, kv = 3 x 64 = 192; per token 576 x (576 + 384) + 576 x 576 +
+    3 x 576 x 1536 multiply-adds in the linear maps, 2 x 576 per query-key pair."""
+    from megatron_dapo.actor.model import ModelSpec
+
+    spec = ModelSpec(family="llama", num_layers=30, hidden_size=576, ffn_hidden_size=1536, num_heads=9,
+                     num_kv_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192, rope_theta=1e5,
+                     norm_eps=1e-5, qkv_bias=False, tied_embeddings=True)
+    assert spec.attention_pair_cost() == 2 * 576 / (576 * 960 + 576 * 576 + 3 * 576 * 1536)
+
+
 def test_a_group_longer_than_the_budget_is_split():
     batch = grouped_batch()
     units = prefix_units(batch, token_budget=20)

@@ -164,7 +164,8 @@ class Actor:
             forward_only=forward_only)
 
     def _micro_batches(self, batch: TrainBatch, token_budget: int) -> list[MicroBatch]:
-        return micro_batches(batch, token_budget, shared_prefix=self.shared_prefix)
+        return micro_batches(batch, token_budget, shared_prefix=self.shared_prefix,
+                             pair_cost=self.spec.attention_pair_cost())
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, temperature: float | None = None

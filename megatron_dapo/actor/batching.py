@@ -79,13 +79,14 @@ def pack_rows(lengths: list[int], token_budget: int) -> list[list[int]]:
     return packs
 
 
-def micro_batches(batch: TrainBatch, token_budget: int, *, shared_prefix: bool = False) -> list[MicroBatch]:
+def micro_batches(batch: TrainBatch, token_budget: int, *, shared_prefix: bool = False,
+                  pair_cost: float = 0.0) -> list[MicroBatch]:
     """Rows packed into micro-batches of <= token_budget computed positions (a longer sequence goes alone).
     `shared_prefix`: the rows of a group are computed as one unit with their common prefix once, and the
     units are packed into sequences as long as the longest one (actor/prefix.py); per row when no group of
-    the batch has two rows sharing a token."""
+    the batch has two rows sharing a token, or where sharing would cost more (`pair_cost`: prefix.py)."""
     if shared_prefix:
-        units = prefix_units(batch, token_budget)
+        units = prefix_units(batch, token_budget, pair_cost)
         if any(len(u.rows) > 1 for u in units):
             micro = pack_bins([u.packed_len for u in units], token_budget)
             return [_packed_micro_batch(batch, [[units[i] for i in seq] for seq in bins]) for bins in micro]

@@ -61,6 +61,13 @@ class ModelSpec:
     """Qwen3: per-head RMSNorm of queries and keys before RoPE."""
     moe: MoESpec | None = None
 
+    def attention_pair_cost(self) -> float:
+        """FLOPs of one query-key pair in attention (scores and weighted values) over one token's FLOPs in a
+        layer's linear maps (QKV, output, MLP; an MoE layer counted as one dense expert)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        linear = self.hidden_size * (q + 2 * kv) + q * self.hidden_size + 3 * self.hidden_size * self.ffn_hidden_size
+        return 2 * q / linear
+
     def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
         """Megatron pads the vocab so each TP shard has the same size (a multiple of divisible_by)."""
         multiple = divisible_by * tp

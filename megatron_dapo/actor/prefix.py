@@ -14,7 +14,9 @@ padding: `pack_bins`.
 
 Cost: the local attention is a dense masked softmax, length^2 per sequence with the masked pairs, so a
 sequence of G long responses behind a short prompt can cost up to G times the G samples' attention, while
-every other layer computes fewer positions.
+every other layer computes fewer positions. A group's rows are shared only where that pays:
+L + pair_cost x L^2 for the packed unit at most the sum over its rows (`pair_cost`: one query-key pair's
+attention FLOPs over one token's linear FLOPs, ModelSpec.attention_pair_cost).
 """
 
 from __future__ import annotations
@@ -94,10 +96,11 @@ def group_rows(batch: TrainBatch) -> list[list[int]]:
     return list(groups.values())
 
 
-def prefix_units(batch: TrainBatch, token_budget: int) -> list[Unit]:
+def prefix_units(batch: TrainBatch, token_budget: int, pair_cost: float = 0.0) -> list[Unit]:
     """Every row in exactly one unit. A group's rows share their longest common prefix (at least the
     prompt); a group longer than `token_budget` packed is split into consecutive units that fit (a unit
-    holds one row at least)."""
+    holds one row at least); a unit that would cost more than its rows apart (module docstring) is split
+    into its rows."""
     lengths = [int(n) for n in batch.lengths.tolist()]
     units: list[Unit] = []
     for rows in group_rows(batch):
@@ -106,8 +109,14 @@ def prefix_units(batch: TrainBatch, token_budget: int) -> list[Unit]:
         if shared == 0:
             units += [Unit.alone(i, lengths[i]) for i in rows]
             continue
-        units += _split(rows, lengths, shared, token_budget)
+        for unit in _split(rows, lengths, shared, token_budget):
+            pays = _cost(unit.packed_len, pair_cost) <= sum(_cost(n, pair_cost) for n in unit.lengths)
+            units += [unit] if pays else [Unit.alone(i, n) for i, n in zip(unit.rows, unit.lengths)]
     return units
+
+
+def _cost(length: int, pair_cost: float) -> float:
+    return length + pair_cost * length * length
 
 
 def _split(rows: list[int], lengths: list[int], shared: int, token_budget: int) -> list[Unit]:
