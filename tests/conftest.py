@@ -38,6 +38,13 @@ def python_env() -> dict:
     return env
 
 
+@pytest.fixture(scope="module")
+def env() -> dict:
+    """Environment for subprocesses, for module-scoped fixtures too: the repo importable, one thread."""
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "OMP_NUM_THREADS": "1"}
+
+
 PYTHON = sys.executable
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from spawn import run_ranks
+from support import global_kwargs, random_batch
 
 from megatron_dapo.algo.loss import LOG_RATIO_LIMIT, policy_loss
 
@@ -90,23 +91,6 @@ def test_sample_level_vs_token_level_weight():
     g = grads["token-mean"]
     assert (g[0, 0] / g[1, 0]).item() == pytest.approx(1.0)
     assert g[0, 0].item() == pytest.approx(-1 / sum(lengths))
-
-
-def random_batch(seed: int, B: int = 11, T: int = 37):
-    gen = torch.Generator().manual_seed(seed)
-    old = -torch.rand(B, T, generator=gen, dtype=F64) * 3
-    noise = torch.randn(B, T, generator=gen, dtype=F64) * 0.3  # large enough to hit both clips
-    lengths = torch.randint(0, T + 1, (B,), generator=gen)
-    lengths[3] = 0  # a fully masked row (e.g. overlong-filtered)
-    mask = (torch.arange(T)[None, :] < lengths[:, None]).to(torch.float32)
-    adv = torch.randn(B, generator=gen, dtype=F64)
-    return old + noise, old, adv, mask
-
-
-def global_kwargs(mode: str, mask: torch.Tensor) -> dict:
-    if mode == "token-mean":
-        return {"global_num_tokens": int(mask.sum())}
-    return {"global_num_seqs": int((mask.sum(-1) > 0).sum())}
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_algo_loss import global_kwargs, random_batch
+from support import global_kwargs, random_batch
 
 from megatron_dapo.algo.advantages import group_advantages
 from megatron_dapo.algo.loss import policy_loss

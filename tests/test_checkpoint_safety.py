@@ -1,4 +1,4 @@
-"""Issue 15, items 3-5 and the lead's bug, at the checkpoint layer.
+"""Checkpoints a run can trust, at the checkpoint layer:
 
 - manifest: every file's size and sha256, written before COMPLETE; a truncated, deleted or changed file
   fails verification, naming the file; `newest_verified` falls back past such checkpoints;
@@ -17,27 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import fake_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "workers" / "checkpoint_worker.py"
 
 
 # --------------------------------------------------------------------------- manifest (no actor)
-
-
-def fake_checkpoint(root: Path, step: int) -> Path:
-    from megatron_dapo.actor.checkpoint import step_dir
-    from megatron_dapo.actor.checkpoint_files import write_json, write_manifest
-
-    path = step_dir(root, step)
-    (path / "rng").mkdir(parents=True)
-    (path / "__0_0.distcp").write_bytes(bytes(range(256)) * 64)
-    (path / ".metadata").write_bytes(b"meta" * 10)
-    (path / "rng" / "rank_0.safetensors").write_bytes(b"r" * 100)
-    write_json(path / "trainer_state.json", {"step": step})
-    write_manifest(path)
-    (path / "COMPLETE").write_text(str(step))
-    return path
 
 
 def test_manifest_lists_every_file_with_size_and_checksum(tmp_path):

@@ -65,7 +65,7 @@ def test_every_rank_validates_when_only_the_driver_holds_the_validation_set(base
     """The validation prompts live on the driver; validating moves the devices collectively (a barrier per
     phase), so every rank must agree to validate: TP2 with validation at steps 0 and 1 completes (the other
     rank skipped step 0's validation and the two ranks' barriers crossed: a hang)."""
-    from test_train import scalars
+    from megatron_dapo.metrics import read_scalars
 
     steps = [a for a in STEP if not a.startswith(("eval.every_steps", "data.val_path"))]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
@@ -75,14 +75,14 @@ def test_every_rank_validates_when_only_the_driver_holds_the_validation_set(base
            "eval.n_samples=2"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=python_env, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    assert set(scalars(tmp_path / "val")["val/acc_avg_at_k"]) == {0, 1}
+    assert set(read_scalars(tmp_path / "val")["val/acc_avg_at_k"]) == {0, 1}
 
 
 def test_a_rollout_longer_than_the_collective_timeout_completes(base_dir, tmp_path, python_env):
     """parallel.timeout_s=20 and a first rollout that takes over 35 s (its first reward call sleeps): rank 1
     waits for the driver on the rendezvous store, not in the header's broadcast (which timed out: gloo
     "Timed out waiting 20000ms"; NCCL's watchdog would have killed a GPU job the same way)."""
-    from test_train import scalars
+    from megatron_dapo.metrics import read_scalars
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(parallel.free_port()), str(REPO / "tests" / "workers" / "train_worker.py"),
@@ -92,4 +92,4 @@ def test_a_rollout_longer_than_the_collective_timeout_completes(base_dir, tmp_pa
     r = subprocess.run(cmd, capture_output=True, text=True, env={**python_env, "DAPO_TEST_REWARD_DELAY": "35"},
                        timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    assert scalars(tmp_path / "slow")["timing/step_s"][1] > 35
+    assert read_scalars(tmp_path / "slow")["timing/step_s"][1] > 35

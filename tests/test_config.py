@@ -42,7 +42,7 @@ def test_defaults_follow_the_paper_to_the_letter():
 
 def test_rollout_streams_by_default_and_the_study_pins_the_rounds():
     r = Config().rollout
-    assert r.streaming and not r.partial_rollout  # issue 16: on once it won the benchmark; partial opt-in
+    assert r.streaming and not r.partial_rollout  # on since it won the benchmark; partial opt-in
     study = load_config(next(p for p in CONFIGS if p.name == "study_dapo_small.yaml"))
     assert not study.rollout.streaming  # the DAPO study runs the paper's Algorithm 1
 

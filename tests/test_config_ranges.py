@@ -1,4 +1,4 @@
-"""Issue 15, item 7: every numeric config field has a range; YAML and override mistakes are one line.
+"""Every numeric config field has a range; YAML and override mistakes are one line.
 
 The walk over the dataclasses is the independent reference: a numeric field without a declared range,
 or one that takes NaN / inf / a nonsensical negative value, fails here.
@@ -74,7 +74,7 @@ def test_every_numeric_field_rejects_nan_inf_and_nonsense_negatives(key):
     "actor.optimizer.lr=.inf", "algo.eps_high=.nan", "train.steps=-5", "checkpoint.save_every=-1",
     "reward.overlong_penalty_factor=-1", "actor.optimizer.adam_beta2=2", "algo.gen_batch_multiplier=.inf",
     "actor.optimizer.weight_decay=.nan", "rollout.sglang.base_port=70000", "logging.length_blowup_frac=1.5",
-    "actor.optimizer.lr=1e30", "actor.optimizer.lr=1e6",  # issue 23: accepted, the first update exploded
+    "actor.optimizer.lr=1e30", "actor.optimizer.lr=1e6",  # once accepted: the first update exploded
 ])
 def test_the_issues_out_of_range_values_are_named(override):
     key = override.split("=")[0]

@@ -1,4 +1,4 @@
-"""Issue 15, item 9: one bad row never rejects a dataset (a 5000-digit answer, an invalid UTF-8 byte);
+"""One bad row never rejects a dataset (a 5000-digit answer, an invalid UTF-8 byte);
 it is skipped and counted, and the summary names the file and the row. `rollout.max_prompt_len` is
 enforced when the prompts are loaded (counted with the tokenizer, the way the rollout renders them)."""
 

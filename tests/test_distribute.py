@@ -80,7 +80,7 @@ SMALL = ["train.prompt_batch_size=8", "train.mini_batch_size=4", "algo.group_siz
 
 def torchrun(base_dir: Path, root: Path, run: str, env: dict, *flags: str) -> dict[str, dict[int, float]]:
     from megatron_dapo.parallel import free_port
-    from test_train import scalars
+    from megatron_dapo.metrics import read_scalars
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(WORKER), *flags, "--config", str(REPO / "examples/configs/tiny_cpu.yaml"),
@@ -88,7 +88,7 @@ def torchrun(base_dir: Path, root: Path, run: str, env: dict, *flags: str) -> di
            f"logging.run_name={run}", *SMALL]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    return scalars(root / "tb" / run)
+    return read_scalars(root / "tb" / run)
 
 
 def test_dp2_run_equals_the_broadcast_path(base_dir, tmp_path, python_env):

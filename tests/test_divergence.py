@@ -1,4 +1,4 @@
-"""Issue 23.2: an update that explodes stops the run with one line naming the step and the cause, exit 1, and
+"""An update that explodes stops the run with one line naming the step and the cause, exit 1, and
 no checkpoint of its weights; on both engines and in both rollout modes.
 
 Two places catch it where it first appears: the optimizer step's result (inf/NaN weights, or weights whose norm
@@ -18,8 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_reliability import env, one_line, run  # noqa: F401 - env is a fixture
-from test_train import train_cmd
+from support import one_line, run, train_cmd
 
 from megatron_dapo.rollout import EmbeddedEngine, NonFiniteLogitsError, SamplingParams
 from megatron_dapo.rollout.base import GroupRequest

@@ -117,3 +117,21 @@ def test_the_readme_stays_short():
     (docs/performance.md, docs/design.md, docs/study_dapo_small/README.md), linked from it."""
     n = len((REPO / "README.md").read_text().splitlines())
     assert n <= MAX_README_LINES, f"README.md has {n} lines (at most {MAX_README_LINES})"
+
+
+def test_no_test_module_imports_another():
+    """Helpers shared by test modules live in tests/support.py (fixtures in conftest.py): a test module is
+    never imported by another file of tests/ (`import test_x` or `from test_x import ...`, anywhere)."""
+    test_modules = {p.stem for p in (REPO / "tests").glob("test_*.py")}
+    bad = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            bad += [f"{path.relative_to(REPO)}:{node.lineno} imports {n}" for n in names
+                    if n.split(".")[0] in test_modules]
+    assert not bad, "test modules imported by others (move helpers to tests/support.py):\n" + "\n".join(bad)

@@ -1,5 +1,5 @@
-"""Fail early on layouts that cannot work (issue 12, item 6) and size micro-batches from the
-vocabulary (7b): validate() reads the model's config.json and refuses a TP that does not divide the
+"""Fail early on layouts that cannot work and size micro-batches from the
+vocabulary: validate() reads the model's config.json and refuses a TP that does not divide the
 heads / KV heads / MLP width (naming the valid TP values) or a PP that does not divide the layers,
 before any process group; overrides may come before or after flags."""
 

@@ -1,4 +1,4 @@
-"""algo.old_logprob_source=auto (issue 28, item 1): the rule, condition by condition, with its reason; and a
+"""algo.old_logprob_source=auto: the rule, condition by condition, with its reason; and a
 tiny run where auto skips the pi_old pass against one that recomputes it: the rollout's logprobs are the
 recomputed pi_old up to float rounding, and the update is the same to that rounding."""
 
@@ -6,10 +6,11 @@ import math
 
 import pytest
 import torch
+from support import run_train, train_cmd
 
 from megatron_dapo.config import AlgoConfig, Config, RolloutConfig
 from megatron_dapo.loop.old_policy import resolve_old_logprob_source
-from test_train import run_train, scalars, train_cmd
+from megatron_dapo.metrics import read_scalars
 
 EXACT = dict(engine_on_actor_weights=True, dtype=torch.float32)
 
@@ -71,7 +72,7 @@ def test_where_auto_skips_it_equals_the_recompute(base_dir, tmp_path, python_env
     assert "pi_old: recomputed by the actor (algo.old_logprob_source=recompute)" in logs["recompute"]
     assert "pi_old: the rollout's logprobs, no recompute pass (algo.old_logprob_source=auto: the embedded " \
            "engine samples from the actor's own float32 weights" in logs["auto"]
-    ref, auto = scalars(tmp_path / "tb" / "recompute"), scalars(tmp_path / "tb" / "auto")
+    ref, auto = read_scalars(tmp_path / "tb" / "recompute"), read_scalars(tmp_path / "tb" / "auto")
     gap = ref["rollout/train_rollout_logprob_absdiff"]
     assert set(gap) == {1, 2} and max(gap.values()) < 1e-5, gap  # also after an update and its sync
     assert auto["rollout/train_rollout_logprob_absdiff"][1] == 0.0  # pi_old is the rollout's

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from megatron_dapo.config import AlgoConfig, ConfigError, load_config, validate
+from megatron_dapo.config import ConfigError, load_config, validate
 from megatron_dapo.rollout.step.carry import PartialCarry
 from megatron_dapo.rollout.step.seeds import seed_of
 from megatron_dapo.rollout.step.streaming import StreamPlan, stream_groups

@@ -219,14 +219,14 @@ SMALL = ["train.prompt_batch_size=8", "train.mini_batch_size=4", "algo.group_siz
 
 
 def run_tiny(base_dir: Path, root: Path, run: str, env: dict, *extra: str) -> dict[str, dict[int, float]]:
-    from test_train import scalars
+    from megatron_dapo.metrics import read_scalars
 
     cmd = [sys.executable, "-m", "megatron_dapo.train", "--config", str(REPO / "examples/configs/tiny_cpu.yaml"),
            f"model.hf_dir={base_dir}", f"checkpoint.dir={root / 'ckpt'}", f"logging.tensorboard_dir={root / 'tb'}",
            f"logging.run_name={run}", *SMALL, *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-6000:]
-    return scalars(root / "tb" / run)
+    return read_scalars(root / "tb" / run)
 
 
 def planned(base_dir: Path, *overrides: str):

@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from test_train import TAGS, kill_job_at, run_train, scalars, train_cmd
+from support import TAGS, kill_job_at, run_train, train_cmd
 
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats
 from megatron_dapo.config import Config, ConfigError, validate
@@ -18,6 +18,7 @@ from megatron_dapo.rollout.step.carry import PartialCarry
 from megatron_dapo.rollout.step.pipeline import RolloutPipeline
 from megatron_dapo.rollout.step.result import StepRollout, StreamRollout, StreamStats, load_rollout, rollout_state
 from megatron_dapo.rollout.step.versions import drop_stale, stamp, staleness_scalars
+from megatron_dapo.metrics import read_scalars
 from megatron_dapo.rollout.base import GroupRequest, SamplingParams
 from megatron_dapo.types import Group, Prompt, Sample
 
@@ -188,7 +189,7 @@ def test_an_async_run_trains_one_version_behind_with_the_correction(base_dir, tm
     r = run_train(train_cmd(base_dir, tmp_path, "async", "train.steps=3", "checkpoint.save_every=0", *ASYNC),
                   python_env)
     assert "off-policy pipelining, rollout.async_steps=1" in r.stderr and "rollout correction token_tis" in r.stderr
-    tb = scalars(tmp_path / "tb" / "async")
+    tb = read_scalars(tmp_path / "tb" / "async")
     assert tb["rollout/staleness_mean"] == {1: 0.0, 2: 1.0, 3: 1.0}
     assert tb["rollout/staleness_max"] == {1: 0.0, 2: 1.0, 3: 1.0}
     assert tb["rollout/dropped_stale_groups"] == {1: 0.0, 2: 0.0, 3: 0.0}
@@ -202,7 +203,7 @@ def test_a_synchronous_run_has_no_staleness_and_no_correction(base_dir, tmp_path
     r = run_train(train_cmd(base_dir, tmp_path, "sync", "train.steps=1", "checkpoint.save_every=0",
                             "rollout.colocate=false"), python_env)
     assert "rollout schedule: synchronous" in r.stderr and "rollout correction none" in r.stderr
-    tb = scalars(tmp_path / "tb" / "sync")
+    tb = read_scalars(tmp_path / "tb" / "sync")
     assert not [t for t in tb if t.startswith(("rollout/staleness", "rollout_corr/", "timing/overlap"))]
 
 
@@ -217,7 +218,7 @@ def test_a_killed_async_run_resumes_exactly(base_dir, tmp_path, python_env):
     saved = json.loads((marker.parent / "trainer_state.json").read_text())["trainer"]["pending"]
     assert saved["step"] == 3
     run_train(train_cmd(base_dir, tmp_path, "killed", *steps, "checkpoint.resume=auto"), python_env)
-    a, b = scalars(tmp_path / "tb" / "straight"), scalars(tmp_path / "tb" / "killed")
+    a, b = read_scalars(tmp_path / "tb" / "straight"), read_scalars(tmp_path / "tb" / "killed")
     for tag in [*TAGS, "rollout/staleness_mean", "rollout_corr/weight_mean", "rollout_corr/kl_k3"]:
         if tag.startswith(("timing/", "perf/", "val/")):
             continue

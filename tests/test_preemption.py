@@ -1,4 +1,4 @@
-"""Issue 23.3-5: the trainer's stop signals reach every process of a job, as Slurm sends them, and SGLang
+"""The trainer's stop signals reach every process of a job, as Slurm sends them, and SGLang
 servers are children too.
 
 - a server keeps serving through SIGTERM / SIGUSR1 to every process of its tree (they are the trainer's:
@@ -25,8 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 from sglang_support import SGLANG_TIMEOUT, _gone, server_ports
-from test_reliability import env, logged_steps, one_line, run, signal_job, wait_for  # noqa: F401 (env: fixture)
-from test_train import train_cmd
+from support import logged_steps, one_line, run, signal_job, train_cmd, wait_for
 
 
 def group_gone(pgid: int) -> bool:
@@ -82,7 +81,7 @@ time.sleep(600)
 
 
 def test_a_hung_deaf_server_goes_with_its_sigkilled_trainer(fake_exe, tmp_path, python_env):
-    """Issue 23.4: PR_SET_PDEATHSIG asked it to stop and it did not; the watchdog SIGKILLs its group."""
+    """PR_SET_PDEATHSIG asks the server to stop and it does not: the watchdog SIGKILLs its group."""
     logs = tmp_path / "logs"
     trainer = subprocess.Popen([sys.executable, "-c", WATCHED, str(tmp_path), str(fake_exe), str(server_ports()),
                                 str(logs)], env={**python_env, "FAKE_SGLANG_MODE": "deaf"},
@@ -101,7 +100,7 @@ def test_a_hung_deaf_server_goes_with_its_sigkilled_trainer(fake_exe, tmp_path, 
 
 @pytest.mark.parametrize("mode", ["hang", "deaf"])
 def test_sigterm_while_the_servers_start_stops_at_once(base_dir, fake_exe, tmp_path, python_env, mode):
-    """Issue 23.5: the trainer waited for its servers (up to startup_timeout_s) and ignored SIGTERM meanwhile."""
+    """SIGTERM while the trainer waits for its servers (up to startup_timeout_s) stops it at once."""
     logs = Path(tempfile.gettempdir()) / "megatron-dapo-sglang"
     port = server_ports()
     cmd = train_cmd(base_dir, tmp_path, "starting", "rollout.engine=sglang", f"rollout.sglang.base_port={port}",

@@ -1,4 +1,4 @@
-"""Prompts the user controls (issue 12, item 2): templates per dataset and from files, system prompt,
+"""Prompts the user controls: templates per dataset and from files, system prompt,
 few-shot examples, the arithmetic instruct style, the chat template choice and the detection of a
 template's default system prompt, on a real BPE tokenizer with Qwen2.5's chat template (tiny/chat.py);
 and one run that uses all of them, whose exports keep the chat template."""
@@ -241,8 +241,8 @@ def test_a_run_with_every_prompt_control_keeps_the_chat_template(tmp_path, pytho
     assert record["prompt"].startswith(f"<|im_start|>system\n{QWEN_DEFAULT_SYSTEM}<|im_end|>\n"
                                        f"<|im_start|>user\n{PAPER_INSTRUCTION.format(problem='Compute 1+1.')}")
     assert "Answer: 2<|im_end|>" in record["prompt"] and record["prompt"].endswith("<|im_start|>assistant\n")
-    from test_train import scalars
+    from megatron_dapo.metrics import read_scalars
 
-    tb = scalars(tmp_path / "tb" / "chat")
+    tb = read_scalars(tmp_path / "tb" / "chat")
     assert sum(tb["reward/failures"].values()) >= 1 and set(tb["alarm/no_correct_answers"]) == {1, 2}
     assert all(v > 0 for v in tb["perf/rollout_tokens_per_s"].values())

@@ -1,4 +1,5 @@
-"""Issue 15 end to end, through `python -m megatron_dapo.train` on the tiny base (CPU):
+"""Run folders, checkpoints, signals and start-up errors end to end, through `python -m megatron_dapo.train`
+on the tiny base (CPU):
 
 - a run owns its folder: reusing a run name is refused (one line, exit 2) unless checkpoint.overwrite;
   resume=auto with another config warns loudly; a second run is locked out, a stale lock taken over;
@@ -13,7 +14,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -25,39 +25,12 @@ import time
 from pathlib import Path
 
 import pytest
+from support import TAGS, logged_steps, one_line, run, signal_job, train_cmd, wait_for
 
-from test_train import TAGS, scalars, train_cmd
+from megatron_dapo.metrics import read_scalars
 
 STEPS = ["train.steps=3", "eval.every_steps=0"]
 COMPARED = [t for t in TAGS if not t.startswith(("timing/", "perf/", "val/"))]
-
-
-@pytest.fixture(scope="module")
-def env():
-    repo = Path(__file__).resolve().parents[1]
-    return {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-            "OMP_NUM_THREADS": "1"}
-
-
-def run(cmd, env, timeout=600):
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-
-
-def error_lines(stderr: str) -> list[str]:
-    """stderr without log records (and their indented continuation lines, e.g. the start-up summary) and
-    progress bars: what the user is told."""
-    return [ln for ln in stderr.splitlines() if ln.strip() and not ln[:4].isdigit() and not ln.startswith("dapo:")
-            and not ln.startswith("  ")
-            and "UserWarning" not in ln and "warnings.warn" not in ln]
-
-
-def one_line(r, code: int, *needles: str) -> str:
-    lines = error_lines(r.stderr)
-    assert r.returncode == code, (r.returncode, r.stderr[-4000:])
-    assert "Traceback" not in r.stderr and len(lines) == 1, r.stderr[-4000:]
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +43,7 @@ def straight(base_dir, tmp_path_factory, env):
 
 
 def assert_replays(straight_root: Path, root: Path, run_name: str, steps) -> None:
-    a, b = scalars(straight_root / "tb" / "straight"), scalars(root / "tb" / run_name)
+    a, b = read_scalars(straight_root / "tb" / "straight"), read_scalars(root / "tb" / run_name)
     for tag in COMPARED:
         for step in steps:
             assert a[tag][step] == b[tag][step], (tag, step, a[tag][step], b[tag][step])
@@ -145,39 +118,6 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_the_run_replays_exactly(base
 # ------------------------------------------------------------------------ signals and Ctrl-C
 
 
-def wait_for(predicate, proc, timeout=400):
-    deadline = time.time() + timeout
-    while not predicate() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.5)
-    assert predicate(), f"never happened (exit {proc.poll()})"
-
-
-def signal_job(proc: subprocess.Popen, sig: int) -> list[str]:
-    """Send `sig` as Slurm does (scancel, the time limit, what srun forwards): to every process of the job.
-    `proc` leads its own process group (start_new_session): the group gets it, and so does every descendant
-    that left it (a server in its own session). Returns the command lines signalled besides `proc`'s."""
-    import psutil
-
-    others = psutil.Process(proc.pid).children(recursive=True)
-    os.killpg(proc.pid, sig)
-    for child in others:
-        with contextlib.suppress(psutil.Error, ProcessLookupError):
-            if os.getpgid(child.pid) != proc.pid:
-                os.kill(child.pid, sig)
-    names = []
-    for child in others:
-        with contextlib.suppress(psutil.Error):
-            names.append(" ".join(child.cmdline()))
-    return names
-
-
-def logged_steps(tb: Path) -> set[int]:
-    try:
-        return set(scalars(tb).get("train/reward_mean", {}))
-    except Exception:  # noqa: BLE001 - an event file being written
-        return set()
-
-
 def preempt_and_resume(base_dir, straight, tmp_path, env, sig: int, save_every: int) -> list[str]:
     """Signal the whole job (signal_job) once step 1 is logged (with `save_every`, once its checkpoint is
     complete: megatron-core's writer Manager is alive then): the step in flight is finished and saved, one
@@ -213,8 +153,8 @@ def test_sigterm_saves_the_step_and_resume_replays_exactly(base_dir, straight, t
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
 def test_a_signal_to_every_process_spares_the_helpers_and_resume_replays(base_dir, straight, tmp_path, env, sig):
-    """Issue 23.3: the checkpoint writer's Manager (a spawned helper) died of the job's SIGTERM first, and
-    the trainer's save of the step in flight failed with BrokenPipeError."""
+    """The helpers outlive the job's signal: the checkpoint writer's Manager (a spawned helper) used to die of
+    the job's SIGTERM first, and the trainer's save of the step in flight then failed with BrokenPipeError."""
     helpers = preempt_and_resume(base_dir, straight, tmp_path, env, sig, save_every=1)
     assert any("multiprocessing" in h for h in helpers), helpers  # the helpers were signalled too
 

@@ -9,6 +9,7 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import MATH, WRAPS
 
 from megatron_dapo.reward import (
     RewardResult,
@@ -269,12 +270,6 @@ def test_fuzz_integer_answer_is_recognised(junk: str, n: int, fallback: str) -> 
     result = compute_score(f"{junk}\nAnswer: {n}", str(n), answer_fallback=fallback)
     assert result.acc and result.score == 1.0
     assert compute_score(f"Answer: {n}", str(n + 1), answer_fallback=fallback).score == -1.0
-
-
-# (opening, closing) pairs that wrap an answer, composed at random below; math mode is entered once.
-WRAPS = [("\\mathbf{", "}"), ("\\textbf{", "}"), ("\\text{", "}"), ("\\mathrm{", "}"), ("\\boxed{", "}"),
-         ("\\fbox{", "}"), ("**", "**"), ("", "\\%"), ("", "%")]
-MATH = [("\\(", "\\)"), ("\\[", "\\]"), ("$", "$"), ("$$", "$$")]
 
 
 @settings(max_examples=200, deadline=None)

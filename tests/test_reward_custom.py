@@ -1,4 +1,4 @@
-"""Rewards the user controls (issue 12, item 3): `reward.name=module:function` loaded once, each call
+"""Rewards the user controls: `reward.name=module:function` loaded once, each call
 under a timeout, failures scored -1 and counted with the first one shown; the math_dapo default kept
 (strict Answer: rule + answer_fallback); the alarm for a step without a correct answer."""
 

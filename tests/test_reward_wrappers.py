@@ -1,4 +1,4 @@
-"""The reward reads a wrapper (``\\( \\)``, ``$ $``, ``\\mathbf{}``, ``%``, ...) only around the WHOLE answer (issue 23).
+"""The reward reads a wrapper (``\\( \\)``, ``$ $``, ``\\mathbf{}``, ``%``, ...) only around the WHOLE answer.
 
 Around a part of the answer it is read as written, so the digits outside it are never glued on:
 ``Answer: \\( 4 \\)2`` is not 42. Wrappers around the whole answer are tested in test_reward.py (WRAPPED_42).
@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_dapo.reward import compute_score, math_dapo
-from test_reward import MATH, WRAPS
+from support import MATH, WRAPS
 
 # A wrapper counts only around the WHOLE answer: around a part it is read as written, so the digits outside
 # it are never glued on. Each (answer, truth it must NOT match).

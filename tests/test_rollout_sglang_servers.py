@@ -24,7 +24,7 @@ from megatron_dapo.rollout.sglang.server import SGLangServerError
 def _trainer_cmd(tmp_path, run: str, *overrides: str) -> list[str]:
     """`python -m megatron_dapo.train` on a quick tiny base with SGLang rollouts: test_train's small
     two-step settings, then `overrides` (later ones win)."""
-    from test_train import train_cmd
+    from support import train_cmd
 
     from megatron_dapo.tiny import ensure_tiny_base
 
@@ -141,14 +141,14 @@ def test_trainer_with_two_sglang_servers(sglang_python, tmp_path, python_env):
     after every step, and the servers' logprobs equal the actor's on the tokens they sampled."""
     import subprocess
 
-    from test_train import scalars
+    from megatron_dapo.metrics import read_scalars
 
     cmd = _trainer_cmd(tmp_path, "sglang2", "rollout.sglang.num_servers=2",
                        f"rollout.sglang.base_port={server_ports(2)}")
     env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     assert r.returncode == 0, r.stderr[-6000:]
-    tb = scalars(tmp_path / "tb" / "sglang2")
+    tb = read_scalars(tmp_path / "tb" / "sglang2")
     assert set(tb["train/reward_mean"]) == {1, 2} and set(tb["val/acc_avg_at_k"]) == {0, 2}
     assert max(tb["rollout/train_rollout_logprob_absdiff"].values()) < 1e-4
     assert min(tb["perf/weight_sync_bytes"].values()) > 0
@@ -162,14 +162,14 @@ def test_async_trainer_generates_the_next_batch_on_a_server_of_its_own(sglang_py
     each boundary (the probe checks them) and the correction sees the gap."""
     import subprocess
 
-    from test_train import scalars
+    from megatron_dapo.metrics import read_scalars
 
     cmd = _trainer_cmd(tmp_path, "async", f"rollout.sglang.base_port={server_ports()}", "rollout.colocate=false",
                        "rollout.async_steps=1", "train.steps=3", "eval.every_steps=0")
     env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     assert r.returncode == 0, r.stderr[-6000:]
-    tb = scalars(tmp_path / "tb" / "async")
+    tb = read_scalars(tmp_path / "tb" / "async")
     assert tb["rollout/staleness_mean"] == {1: 0.0, 2: 1.0, 3: 1.0}
     assert set(tb["rollout_corr/weight_mean"]) == {1, 2, 3} and set(tb["timing/overlap_s"]) == {1, 2, 3}
     assert max(tb["rollout/weight_sync_probe_absdiff"].values()) < 0.01
@@ -185,8 +185,7 @@ def test_torchrun_trainer_with_the_distributed_weight_transport(sglang_python, t
     import subprocess
     import sys
 
-    from test_train import scalars
-
+    from megatron_dapo.metrics import read_scalars
     from megatron_dapo.parallel import free_port as free_master_port
 
     cmd = _trainer_cmd(tmp_path, "torchrun", f"rollout.sglang.base_port={server_ports()}",
@@ -198,7 +197,7 @@ def test_torchrun_trainer_with_the_distributed_weight_transport(sglang_python, t
     env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     assert r.returncode == 0, r.stderr[-6000:]
-    tb = scalars(tmp_path / "tb" / "torchrun")
+    tb = read_scalars(tmp_path / "tb" / "torchrun")
     assert set(tb["perf/weight_sync_bytes"]) == {1, 2} and min(tb["perf/weight_sync_bytes"].values()) > 0
     assert tb["rollout/train_rollout_logprob_absdiff"][2] < 1e-4
 
@@ -213,8 +212,7 @@ def test_three_nodes_each_start_a_server_and_rank0_drives_all(sglang_python, tmp
     model (to its own server), not one per node."""
     import subprocess
 
-    from test_train import scalars
-
+    from megatron_dapo.metrics import read_scalars
     from megatron_dapo.parallel import free_port as free_master_port
 
     cmd = _trainer_cmd(tmp_path, "nodes3", f"rollout.sglang.base_port={server_ports(3)}", "parallel.backend=gloo",
@@ -236,7 +234,7 @@ def test_three_nodes_each_start_a_server_and_rank0_drives_all(sglang_python, tmp
     assert all(p.returncode == 0 for p in procs), "\n=====\n".join(o[-5000:] for o in outs)
     line = next(x for x in outs[0].splitlines() if "SGLang servers:" in x)
     assert line.count("(attached)") == 2 and "from the node's own ranks (tensor)" in line, line
-    tb = scalars(tmp_path / "tb" / "nodes3")
+    tb = read_scalars(tmp_path / "tb" / "nodes3")
     assert set(tb["train/reward_mean"]) == {1, 2}
     assert max(tb["rollout/train_rollout_logprob_absdiff"].values()) < 1e-4
     model = tb["perf/weight_sync_bytes"]

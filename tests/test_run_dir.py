@@ -1,4 +1,4 @@
-"""Issue 15, items 1, 2 and 10 in-process: the run folder's lock, writability and ownership rules
+"""In-process: the run folder's lock, writability and ownership rules
 (megatron_dapo/loop/run_dir.py), and the config comparison behind the loud resume warning.
 tests/test_reliability.py runs the same paths through the trainer."""
 
@@ -15,6 +15,7 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
+from support import fake_checkpoint
 
 from megatron_dapo.loop import run_dir
 from megatron_dapo.loop.run_dir import RunFolderError, RunLock, check_writable, claim
@@ -94,17 +95,11 @@ def test_writability_and_free_space(tmp_path, monkeypatch):
         check_writable(tmp_path / "c", need_bytes=1 << 30)
 
 
-def fake_ckpt(folder: Path, step: int) -> Path:
-    from test_checkpoint_safety import fake_checkpoint
-
-    return fake_checkpoint(folder, step)
-
-
 def test_claim_rules(tmp_path):
     folder = tmp_path / "run"
     assert claim(folder, "none", False) == (None, [])  # an empty folder is free
     for step in (1, 2, 3):
-        fake_ckpt(folder, step)
+        fake_checkpoint(folder, step)
     with pytest.raises(RunFolderError, match="holds another run's checkpoints"):
         claim(folder, "none", False)
     start, notes = claim(folder, "auto", False)
@@ -115,7 +110,7 @@ def test_claim_rules(tmp_path):
     assert start.name == "step_00000001" and sorted(p.name for p in folder.iterdir()) == ["step_00000001"]
     assert [n.split(": ")[1] for n in notes] == [f"deleted {folder / 'step_00000002'}", f"deleted {folder / 'step_00000003'}"]
     other = tmp_path / "other"
-    fake_ckpt(other, 7)
+    fake_checkpoint(other, 7)
     with pytest.raises(RunFolderError, match="holds another run's checkpoints"):  # branching into a used folder
         claim(other, str(folder / "step_00000001"), False)
     (folder / "step_00000001" / "manifest.json").unlink()
@@ -126,7 +121,7 @@ def test_claim_rules(tmp_path):
 def test_resume_auto_sets_a_corrupt_newest_aside(tmp_path):
     folder = tmp_path / "run"
     for step in (1, 2):
-        fake_ckpt(folder, step)
+        fake_checkpoint(folder, step)
     (folder / "step_00000002" / ".metadata").unlink()
     start, notes = claim(folder, "auto", False)
     assert start.name == "step_00000001"

@@ -1,4 +1,4 @@
-"""Issue 15, item 6: SGLang servers a job starts take one API key per job (`--api-key`), and every
+"""SGLang servers a job starts take one API key per job (`--api-key`), and every
 request the trainer sends carries it; the key is not written to the server log, which only its owner
 can read. Against the fake server (it refuses every path but /health without the bearer token, as
 SGLang does); `-m sglang -k "node or servers"` runs the real servers with the key."""

@@ -1,4 +1,4 @@
-"""Where an SGLang server runs and what it inherits (issue 22 items 8, 9, 10, 13): a clean environment
+"""Where an SGLang server runs and what it inherits: a clean environment
 (no torchrun rank variables, no expandable segments), a CPU-only SGLang install refused on a GPU in one line,
 and the node address other nodes reach (the routable interface, not the host name's 127.0.1.1)."""
 

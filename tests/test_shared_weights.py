@@ -1,4 +1,4 @@
-"""The embedded engine on the actor's own parameters (issue 12, 7b): one copy of the weights in one
+"""The embedded engine on the actor's own parameters: one copy of the weights in one
 process. The model built on them equals transformers loading the folder; every tensor except the fused
 QKV aliases the actor, follows its updates without a sync, and a sync makes the engine exact again."""
 

@@ -7,8 +7,7 @@ import logging
 import math
 
 import pytest
-from test_streaming import FailingEngine
-from test_train import TAGS, kill_job_at, run_train, scalars, train_cmd
+from support import TAGS, FailingEngine, kill_job_at, run_train, train_cmd
 
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats
 from megatron_dapo.config import AlgoConfig, ConfigError, RewardConfig, load_config, validate
@@ -18,6 +17,7 @@ from megatron_dapo.rollout.step.rounds import collect_rounds, surplus_tokens
 from megatron_dapo.rollout.step.scoring import rendered, score_group
 from megatron_dapo.rollout.step.seeds import seed_of
 from megatron_dapo.rollout.step.streaming import RolloutStepError, StreamPlan, stream_groups
+from megatron_dapo.metrics import read_scalars
 from megatron_dapo.reward.scorer import Scorer
 from megatron_dapo.rollout import EmbeddedEngine, SamplingParams
 from megatron_dapo.rollout.base import AbortReport, GroupRequest, GroupResult
@@ -243,7 +243,7 @@ STREAM = ["rollout.streaming=true", "rollout.max_inflight_groups=12", "algo.gen_
 def test_trainer_streams_and_writes_the_monitors(base_dir, tmp_path, python_env):
     run_train(train_cmd(base_dir, tmp_path, "stream", "train.steps=2", "checkpoint.save_every=0", *STREAM),
               python_env)
-    tb = scalars(tmp_path / "tb" / "stream")
+    tb = read_scalars(tmp_path / "tb" / "stream")
     for tag in TAGS + ["rollout/aborted_groups", "rollout/wasted_tokens", "rollout/generated_tokens"]:
         assert tag in tb and all(math.isfinite(v) for v in tb[tag].values()), tag
     assert set(tb["rollout/groups_trained"].values()) == {8.0}
@@ -262,7 +262,7 @@ def test_streaming_sigkill_and_resume_replays_exactly(base_dir, tmp_path, python
     kill_job_at(train_cmd(base_dir, tmp_path, "killed", *steps), python_env, marker)
     assert marker.exists(), "the run never reached its step-1 checkpoint"
     run_train(train_cmd(base_dir, tmp_path, "killed", *steps, "checkpoint.resume=auto"), python_env)
-    a, b = scalars(tmp_path / "tb" / "straight"), scalars(tmp_path / "tb" / "killed")
+    a, b = read_scalars(tmp_path / "tb" / "straight"), read_scalars(tmp_path / "tb" / "killed")
     carry = ["rollout/resumed_groups", "rollout/carried_groups", "rollout/carried_tokens",
              "rollout/dropped_stale_groups"] if partial else []
     if partial:

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from support import FailingEngine
 
 from megatron_dapo.rollout import EmbeddedEngine, EngineStateError, GenerationAborted, SamplingParams
 from megatron_dapo.rollout.base import GroupRequest, RolloutEngine, RolloutStream
@@ -14,7 +15,6 @@ from megatron_dapo.rollout.engine_group import EngineGroup
 from megatron_dapo.rollout.group_stream import EngineGroupFailure
 from megatron_dapo.rollout.sampling import counter_uniforms
 from megatron_dapo.tiny import tiny_model
-from megatron_dapo.types import Sample
 
 VOCAB = 128
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -323,49 +323,6 @@ def test_a_nested_group_aborts_and_streams_on(model):
         waiter.join(30)
         assert not waiter.is_alive() and len(errors) == 1
         inner.close()
-
-
-class FailingStream(RolloutStream):
-    """Delivers `good` groups (of two 2-token samples), then fails."""
-
-    def __init__(self, good: int) -> None:
-        self.keys, self.good, self.aborted = [], good, False
-
-    @property
-    def pending(self) -> int:
-        return len(self.keys)
-
-    def submit(self, requests):
-        self.keys += [r.key for r in requests]
-
-    def next(self):
-        from megatron_dapo.rollout.base import GroupResult
-
-        if self.good == 0:
-            raise RuntimeError("connection refused")
-        self.good -= 1
-        samples = [Sample(prompt_ids=[1], response_ids=[2, 3], rollout_logprobs=[0.0, 0.0], finish_reason="stop")
-                   for _ in range(2)]
-        return GroupResult(key=self.keys.pop(0), samples=samples)
-
-    def abort(self):
-        from megatron_dapo.rollout.base import AbortReport
-
-        keys, self.keys, self.aborted = self.keys, [], True
-        return AbortReport(keys=sorted(keys), tokens=0)
-
-
-class FailingEngine(RolloutEngine):
-    def __init__(self, good: int) -> None:
-        self.streams = []
-        self.good = good
-
-    def stream(self):
-        self.streams.append(FailingStream(self.good))
-        return self.streams[-1]
-
-    generate = update_weights = sleep = wake = abort = shutdown = lambda self, *a: None
-    health = lambda self: True  # noqa: E731
 
 
 def test_a_failing_engine_is_named_and_the_stream_still_aborts(model):

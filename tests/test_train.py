@@ -3,58 +3,21 @@ exactly, the final policy exports to HF, dry-run and config errors. `slow`: the 
 
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from support import REPO, TAGS, kill_job_at, run_train, train_cmd
 
-REPO = Path(__file__).resolve().parents[1]
-TAGS = [
-    "train/reward_mean", "train/acc_mean", "response_length/mean", "response_length/max",
-    "response_length/clip_ratio", "actor/entropy", "actor/mean_token_prob", "actor/pg_loss",
-    "actor/clipfrac_high", "actor/clipfrac_low", "actor/grad_norm", "actor/lr", "rollout/gen_rounds",
-    "rollout/kept_group_frac", "rollout/train_rollout_logprob_absdiff", "val/acc_avg_at_k",
-    "timing/rollout_s", "timing/reward_s", "timing/old_logprob_s", "timing/update_s", "timing/weight_sync_s",
-    "timing/step_s", "perf/tokens_per_s", "perf/weight_sync_bytes", "perf/weight_sync_bytes_sent_rank0",
-    "perf/weight_sync_bytes_cross_node", "perf/rollout_bytes_total",
-    "perf/rollout_bytes_max_recv", "memory/actor_bytes_generate", "memory/actor_bytes_train", "memory/actor_bytes_sync",
-    "memory/engine_bytes_generate", "memory/engine_bytes_train", "memory/engine_bytes_sync",
-    "memory/actor_asleep_in_generate",
-    "val/pass_at_k", "val/maj_at_k", "val/response_length_mean", "timing/eval_s", "perf/rollout_tokens_per_s",
-    "reward/failures", "alarm/no_correct_answers", "perf/pad_frac", "perf/trained_tokens", "perf/prefix_saved_frac",
-]
-# The test base is trained for seconds and may answer nothing right on a busy machine: the paper's accuracy
-# filter would then keep no group (no update, no actor/* monitors); the score filter keeps length-shaped ones.
-SMALL = ["train.prompt_batch_size=8", "train.mini_batch_size=4", "algo.group_size=4", "eval.n_samples=2",
-         "eval.max_prompts=16", "eval.every_steps=2", "train.deterministic=true", "algo.filter_metric=score"]
-
-
-def scalars(logdir: Path) -> dict[str, dict[int, float]]:
-    """tag -> step -> value (the last one written wins, as after a resume)."""
-    from megatron_dapo.metrics import read_scalars
-
-    return read_scalars(logdir)
-
-
-def train_cmd(base_dir, root, run, *extra):
-    return [sys.executable, "-m", "megatron_dapo.train", "--config", str(REPO / "examples/configs/tiny_cpu.yaml"),
-            f"model.hf_dir={base_dir}", f"checkpoint.dir={root / 'ckpt'}", f"logging.tensorboard_dir={root / 'tb'}",
-            f"logging.run_name={run}", *SMALL, *extra]
-
-
-def run_train(cmd, env, timeout=600):
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    assert r.returncode == 0, r.stderr[-6000:]
-    return r
+from megatron_dapo.metrics import MetricsWriter, read_scalars, read_texts
 
 
 def test_three_steps_write_every_monitor(base_dir, tmp_path, python_env):
     r = run_train(train_cmd(base_dir, tmp_path, "smoke", "train.steps=3", "checkpoint.save_every=0"), python_env)
     assert "the first step took" in r.stderr and "the 2 step(s) left + 2 evaluation(s)" in r.stderr
-    tb = scalars(tmp_path / "tb" / "smoke")
+    tb = read_scalars(tmp_path / "tb" / "smoke")
     for tag in TAGS:
         assert tag in tb, f"missing tag {tag}"
         assert all(math.isfinite(v) for v in tb[tag].values()), tag
@@ -76,11 +39,12 @@ def test_three_steps_write_every_monitor(base_dir, tmp_path, python_env):
     (["algo.old_logprob_source=rollout", "algo.clip_ratio_c=3.0"], ["actor/clipfrac_dual"], ["rollout_corr/weight_mean"]),
 ])
 def test_rollout_correction_and_rollout_logprobs_runs(base_dir, tmp_path, python_env, extra, present, absent):
-    """Issue 14's switches in a real run: the tags are written and finite; with the same weights in engine
-    and actor (fp32, CPU) the ratio pi_old / pi_rollout is 1, so every weight is 1 and nothing is cut."""
+    """The rollout-correction and rollout-logprob switches in a real run: the tags are written and finite;
+    with the same weights in engine and actor (fp32, CPU) the ratio pi_old / pi_rollout is 1, so every
+    weight is 1 and nothing is cut."""
     run_train(train_cmd(base_dir, tmp_path, "corr", "train.steps=2", "checkpoint.save_every=0",
                         "eval.every_steps=0", *extra), python_env)
-    tb = scalars(tmp_path / "tb" / "corr")
+    tb = read_scalars(tmp_path / "tb" / "corr")
     for tag in present + ["actor/entropy", "actor/pg_loss", "timing/old_logprob_s"]:
         assert tag in tb and all(math.isfinite(v) for v in tb[tag].values()), tag
     assert not set(absent) & set(tb)
@@ -92,19 +56,6 @@ def test_rollout_correction_and_rollout_logprobs_runs(base_dir, tmp_path, python
         assert all(v < 0.05 for v in tb["timing/old_logprob_s"].values())  # the pi_old pass is skipped
 
 
-def kill_job_at(cmd: list[str], env: dict, marker: Path, timeout: float = 300) -> None:
-    """Start `cmd` and SIGKILL its whole process group once `marker` exists (or the run ends or times out),
-    as a node failure or scancel does: the trainer alone would leave megatron-core's checkpoint-writer
-    Manager (a multiprocessing spawn child) orphaned and running forever."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.time() + timeout
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
 def test_sigkill_and_resume_replays_exactly(base_dir, tmp_path, python_env):
     steps = ["train.steps=4", "checkpoint.save_every=1", "eval.every_steps=0"]
     run_train(train_cmd(base_dir, tmp_path, "straight", *steps), python_env)
@@ -113,7 +64,7 @@ def test_sigkill_and_resume_replays_exactly(base_dir, tmp_path, python_env):
     assert marker.exists(), "the run never reached its step-2 checkpoint"
     assert not (tmp_path / "ckpt" / "killed" / "step_00000004").exists()
     run_train(train_cmd(base_dir, tmp_path, "killed", *steps, "checkpoint.resume=auto"), python_env)
-    a, b = scalars(tmp_path / "tb" / "straight"), scalars(tmp_path / "tb" / "killed")
+    a, b = read_scalars(tmp_path / "tb" / "straight"), read_scalars(tmp_path / "tb" / "killed")
     for tag in TAGS:
         if tag.startswith(("timing/", "perf/", "val/")):
             continue
@@ -157,7 +108,7 @@ def test_full_tiny_run(tmp_path, python_env):
                            env=python_env, timeout=1800, cwd=REPO)
         assert r.returncode == 0, r.stderr[-6000:]
     minutes = (time.time() - t0) / 60
-    tb = scalars(tb_root / "tiny_cpu")
+    tb = read_scalars(tb_root / "tiny_cpu")
     for tag in TAGS:
         assert tag in tb and all(math.isfinite(v) for v in tb[tag].values()), tag
     val = tb["val/acc_avg_at_k"]
@@ -172,8 +123,6 @@ def test_full_tiny_run(tmp_path, python_env):
 def test_summary_after_a_resume_covers_the_whole_run(tmp_path):
     """MetricsWriter.load_history: curves from the earlier event files up to the resumed step, the last
     written value winning for a replayed step, then the new steps."""
-    from megatron_dapo.metrics import MetricsWriter
-
     first = MetricsWriter(tmp_path)
     for step in (1, 2, 3):
         first.write(step, {"train/reward_mean": float(step), "actor/grad_norm": 9.0})
@@ -189,3 +138,24 @@ def test_summary_after_a_resume_covers_the_whole_run(tmp_path):
     assert "actor/grad_norm" not in resumed.history  # only the plotted curves are read back
     assert resumed.summary_png() == tmp_path / "summary.png" and (tmp_path / "summary.png").is_file()
     resumed.close()
+
+
+def test_sample_texts_read_back_per_split_and_step(tmp_path):
+    """read_texts: write_samples' TensorBoard text per split and step, a replayed step's last text winning."""
+    def records(prompt):
+        return [{"uid": "u0", "ground_truth": "1", "prompt": prompt, "response": "Answer: 1", "reward": 1.0,
+                 "acc": True, "length": 3}]
+
+    first = MetricsWriter(tmp_path)
+    first.write_samples(1, "val", records("1+0="))
+    first.close()
+    time.sleep(0.05)  # event files are ordered by modification time
+    replay = MetricsWriter(tmp_path)
+    replay.write_samples(1, "val", records("2+0="))
+    replay.write_samples(2, "train", records("3+0="))
+    replay.close()
+    texts = read_texts(tmp_path)
+    assert {split: set(steps) for split, steps in texts.items()} == {"samples/val": {1}, "samples/train": {2}}
+    assert "2+0=" in texts["samples/val"][1] and "1+0=" not in texts["samples/val"][1]
+    train = texts["samples/train"][2]
+    assert train.startswith("**prompt** (u0, truth 1)") and "3+0=" in train

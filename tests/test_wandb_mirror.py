@@ -89,7 +89,7 @@ RECORDS = [{"step": 2, "split": "val", "uid": "a/0", "prompt": "1+1=", "response
 
 @needs_wandb
 def test_scalars_samples_and_config_reach_the_offline_run(tmp_path):
-    from test_train import scalars
+    from megatron_dapo.metrics import read_scalars
 
     logdir = tmp_path / "runs" / "wb"
     config = {"algo": {"policy_loss": "gspo", "eps_low": None}, "train": {"steps": 3}}
@@ -101,7 +101,7 @@ def test_scalars_samples_and_config_reach_the_offline_run(tmp_path):
     writer.close()
 
     run = read_offline_run(logdir)
-    tb = scalars(logdir)  # TensorBoard: the source of truth, written as before
+    tb = read_scalars(logdir)  # TensorBoard: the source of truth, written as before
     steps = by_step(run["history"])
     for tag, values in tb.items():
         assert {s: steps[s][tag] for s in values} == pytest.approx(values), tag
@@ -128,7 +128,7 @@ def test_a_resumed_writer_continues_the_same_run(tmp_path):
 
 @needs_wandb
 def test_an_error_stops_the_mirror_not_the_run(tmp_path, caplog):
-    from test_train import scalars
+    from megatron_dapo.metrics import read_scalars
 
     writer = MetricsWriter(tmp_path / "wb", wandb=OFFLINE)
 
@@ -139,7 +139,7 @@ def test_an_error_stops_the_mirror_not_the_run(tmp_path, caplog):
     writer.write(1, {"x": 1.0})
     writer.write(2, {"x": 2.0})
     writer.close()
-    assert scalars(tmp_path / "wb")["x"] == {1: 1.0, 2: 2.0}
+    assert read_scalars(tmp_path / "wb")["x"] == {1: 1.0, 2: 2.0}
     assert sum("W&B mirror stopped" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -167,7 +167,7 @@ def test_config_fields():
 def test_a_training_run_mirrors_to_wandb(base_dir, tmp_path, python_env):
     """Two steps of the tiny run with Dr. GRPO and the offline mirror: every TensorBoard scalar of every step
     is in the W&B run, with the config and the train samples; the start-up summary names the loss."""
-    from test_train import scalars
+    from megatron_dapo.metrics import read_scalars
 
     base = base_dir
     env = {**python_env, "WANDB_CONFIG_DIR": str(tmp_path / "wbc"), "WANDB_CACHE_DIR": str(tmp_path / "wbc"),
@@ -183,7 +183,7 @@ def test_a_training_run_mirrors_to_wandb(base_dir, tmp_path, python_env):
     assert ("policy loss: dr_grpo (eps_low 0.2, eps_high 0.2, token sums / (sequences x "
             "rollout.max_response_len), advantages not divided by the group std); torch") in r.stderr
     logdir = tmp_path / "tb" / "wb"
-    run, tb = read_offline_run(logdir), scalars(logdir)
+    run, tb = read_offline_run(logdir), read_scalars(logdir)
     steps = by_step(run["history"])
     assert set(steps) == {1, 2} and "actor/pg_loss" in tb
     for tag, values in tb.items():

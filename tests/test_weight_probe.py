@@ -81,12 +81,12 @@ def test_a_checkpoint_save_does_not_leave_the_engine_on_lost_weights(base_dir, t
     """A save after every step wakes the actor and releases the engine: its weights are synced again before
     the next rollout, so the rollout/train logprob gap stays at its normal level at every step (it was NaN:
     the engine generated from lost weights) and every sync passes the probe."""
-    from test_train import scalars
+    from megatron_dapo.metrics import read_scalars
 
     r = subprocess.run(train_cmd(base_dir, tmp_path, "train.steps=3", "checkpoint.save_every=1"),
                        capture_output=True, text=True, env=python_env, timeout=900)
     assert r.returncode == 0, r.stderr[-6000:]
-    tb = scalars(tmp_path / "tb" / "probe")
+    tb = read_scalars(tmp_path / "tb" / "probe")
     assert sorted(tb["rollout/train_rollout_logprob_absdiff"]) == [1, 2, 3]
     assert all(v < 1e-4 for v in tb["rollout/train_rollout_logprob_absdiff"].values()), tb
     assert all(v < 1e-4 for v in tb["rollout/weight_sync_probe_absdiff"].values())
@@ -108,14 +108,15 @@ def test_sglang_after_every_save_the_engine_is_synced_again(sglang_python, base_
     the logprob gap stays at fp32 rounding at every step although every step ends with a save, the probe
     passes after every sync, and the server was started with the actor asleep."""
     from sglang_support import server_ports
-    from test_train import scalars
+
+    from megatron_dapo.metrics import read_scalars
 
     cmd = train_cmd(base_dir, tmp_path, "train.steps=3", "checkpoint.save_every=1", "rollout.engine=sglang",
                     f"rollout.sglang.base_port={server_ports()}")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1400,
                        env={**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python})
     assert r.returncode == 0, r.stderr[-6000:]
-    tb = scalars(tmp_path / "tb" / "probe")
+    tb = read_scalars(tmp_path / "tb" / "probe")
     assert sorted(tb["rollout/train_rollout_logprob_absdiff"]) == [1, 2, 3]
     assert max(tb["rollout/train_rollout_logprob_absdiff"].values()) < 1e-4, tb
     assert max(tb["rollout/weight_sync_probe_absdiff"].values()) < 1e-4

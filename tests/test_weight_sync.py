@@ -82,7 +82,7 @@ def test_a_bf16_run_syncs_two_bytes_per_parameter(base_dir, tmp_path, python_env
     import json
     import math
 
-    from test_train import SMALL
+    from support import SMALL
 
     from megatron_dapo.hf_files import hf_tensor_table
     base = base_dir

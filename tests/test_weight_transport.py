@@ -1,4 +1,4 @@
-"""The weight transport into SGLang servers on CPU (issue 22 items 6, 8; issue 26 item 1): which trainer
+"""The weight transport into SGLang servers on CPU: which trainer
 rank serialises the payload of which server TP rank, the device it names (by UUID, CUDA faked), the
 flattened_bucket payload SGLang rebuilds, the per-rank gather protocol on two gloo ranks, and the weight
 group's own store under torchrun."""

@@ -1,4 +1,4 @@
-"""The trainer under torchrun, optionally with the rollout distribution of before issue 13 (the whole
+"""The trainer under torchrun, optionally with the earlier rollout distribution (the whole
 batch pickled to every rank, each keeping its rows) as the reference for tests/test_distribute.py.
 
     torchrun --nproc_per_node 2 tests/workers/train_worker.py [--broadcast] --config ... [overrides]
