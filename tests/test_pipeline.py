@@ -189,6 +189,7 @@ def test_an_async_run_trains_one_version_behind_with_the_correction(base_dir, tm
     r = run_train(train_cmd(base_dir, tmp_path, "async", "train.steps=3", "checkpoint.save_every=0", *ASYNC),
                   python_env)
     assert "off-policy pipelining, rollout.async_steps=1" in r.stderr and "rollout correction token_tis" in r.stderr
+    assert "embedded, in its own process (1 thread, pid" in r.stderr  # the engine beside the actor, not a thread
     tb = read_scalars(tmp_path / "tb" / "async")
     assert tb["rollout/staleness_mean"] == {1: 0.0, 2: 1.0, 3: 1.0}
     assert tb["rollout/staleness_max"] == {1: 0.0, 2: 1.0, 3: 1.0}

@@ -3,7 +3,8 @@ with `rollout.async_steps=1`, wall per step, each side's idle time and tokens/s,
 
 Both runs are `python -m megatron_dapo.train` on the same base, prompts, groups and updates (seeded), with
 `rollout.colocate=false`, in one session; torch gets --threads threads: the synchronous run uses all of them
-for whichever phase runs, the pipelined one gives half to the engine's producer thread and half to the actor.
+for whichever phase runs, the pipelined one gives half to the engine (the embedded engine: its own process,
+rollout/process_engine.py) and half to the actor.
 Steps after the first are compared (the first has nothing to overlap with). The limit of overlapping two
 phases of times g (generation + reward) and t (the rest of the step) is max(g, t) / (g + t), from the
 synchronous run's own phase times.

@@ -1,6 +1,7 @@
 """The rollout engine a run generates with: SGLang servers (node leaders start them, the driver drives them
 all) or the embedded engine (the driver only), on the actor's own weights where they can be shared
-(shared_weights.py) and stay in place while it generates."""
+(shared_weights.py) and stay in place while it generates; with off-policy pipelining the embedded engine
+runs in a process of its own (rollout/process_engine.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from megatron_dapo.actor.model import param_dtype
 from megatron_dapo.config import Config, ModelConfig
 from megatron_dapo.loop.startup import StartupReport
 from megatron_dapo.rollout.base import RolloutEngine
+from megatron_dapo.rollout.step.pipeline import engine_threads
 
 
 @dataclass
@@ -35,7 +37,8 @@ def make_engine(cfg: Config, actor: Actor, report: StartupReport) -> EngineSetup
         return EngineSetup(servers.engine, servers=servers.owned, weights=servers.weights)
     if not parallel.is_main():  # the weights are shared in a one-process job only: every rank resolves pi_old alike
         return EngineSetup(None)
-    engine, shared = _embedded_engine(actor, cfg.model, report, _why_own_weights(cfg))
+    engine, shared = _embedded_engine(actor, cfg.model, report, _why_own_weights(cfg),
+                                      pipelined=cfg.rollout.async_steps > 0)
     return EngineSetup(engine, on_actor_weights=shared)
 
 
@@ -59,14 +62,24 @@ def _why_own_weights(cfg: Config) -> str | None:
 
 
 def _embedded_engine(actor: Actor, model_cfg: ModelConfig, report: StartupReport,
-                     why_own: str | None) -> tuple[RolloutEngine, bool]:
+                     why_own: str | None, pipelined: bool = False) -> tuple[RolloutEngine, bool]:
     """On the actor's own weights when they can be shared (shared_weights.py) and stay in place while the
-    engine generates (`why_own` is None), else from hf_dir; and whether it is on the actor's weights."""
+    engine generates (`why_own` is None), else from hf_dir; and whether it is on the actor's weights.
+    `pipelined` (rollout.async_steps): from hf_dir in a process of its own (rollout/process_engine.py) with
+    the engine's share of the torch threads (the pipeline gives the actor the rest)."""
     from megatron_dapo.loop.shared_weights import can_share, model_on_actor_weights
     from megatron_dapo.rollout.embedded import EmbeddedEngine
 
     hf_dir, dtype = model_cfg.hf_dir, param_dtype(model_cfg)
     own = f"its own {str(dtype).removeprefix('torch.')} copy of the weights (from {hf_dir}"
+    if pipelined:  # generating beside the actor: a process of its own, not a thread that shares the GIL
+        from megatron_dapo.rollout.process_engine import ProcessEngine
+
+        threads = engine_threads()
+        engine = ProcessEngine(hf_dir, threads=threads, device=parallel.device(), dtype=dtype)
+        report.engine = f"embedded, in its own process ({threads} thread{'s' if threads > 1 else ''}, pid " \
+                        f"{engine.pid}) with {own}; {why_own})"
+        return engine, False
     if not can_share(actor, dtype):
         report.engine = f"embedded, {own})"
         return EmbeddedEngine(hf_dir, device=parallel.device(), dtype=dtype), False

@@ -10,9 +10,11 @@ same batch. Samples are stamped with the policy version that generated them (`Sa
 with a sample older than `async_steps` versions when it is trained on (a partial rollout's carried group)
 is dropped and counted.
 
-The producer is one background thread with its own torch thread budget (half of the process's), so on
-a CPU the engine's and the actor's kernels run on different cores; the engine has its own weights (never
-the actor's, which change under it).
+The producer is one background thread with its own torch thread budget (half of the process's,
+`engine_threads`), so on a CPU the engine's and the actor's kernels run on different cores; the engine has
+its own weights (never the actor's, which change under it). The embedded engine then runs in a process of
+its own (rollout/process_engine.py, with that thread budget): a thread would take turns with the actor for
+the interpreter lock, so the producer thread only drives it (and scores).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ import torch
 from megatron_dapo.rollout.step.result import StepRollout, load_rollout, rollout_state
 
 
+def engine_threads(total: int | None = None) -> int:
+    """The engine's share of the process's torch threads (`total`, default all): half, at least one."""
+    return max(1, (total or torch.get_num_threads()) // 2)
+
+
 class RolloutPipeline:
     """Produces step batches in a background thread (`start`), hands them over at the boundary (`take`),
     and measures how the two sides overlapped within each step (`step_scalars`)."""
@@ -35,7 +42,7 @@ class RolloutPipeline:
         self.produce: Callable[[int], StepRollout] | None = None
         """step -> that step's rollout on the engine's current weights (set by the training loop)."""
         total = torch.get_num_threads()
-        self.threads = threads or max(1, total // 2)
+        self.threads = threads or engine_threads(total)
         torch.set_num_threads(max(1, total - self.threads))  # the actor's share (this thread)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-producer")
         self._pending: tuple[int, Future] | None = None
