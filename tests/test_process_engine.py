@@ -237,3 +237,26 @@ def test_shutdown_stops_a_stream_running_in_another_thread_and_sigterm_does_not(
     assert len(errors) == 1 and type(errors[0]) is EngineStateError, errors
     assert "EmbeddedEngine was shut down" in str(errors[0])
     assert not engine._proc.is_alive()
+
+
+def test_an_error_that_cannot_cross_the_pipe_arrives_as_a_runtime_error_naming_it():
+    """The parent rebuilds the child's exception from its pickle; one whose constructor the rebuild cannot
+    call (two required arguments, one passed to super) or that does not pickle becomes a RuntimeError."""
+    import threading
+
+    from megatron_dapo.rollout.base import NonFiniteLogitsError
+    from megatron_dapo.rollout.process_worker import portable
+
+    keeps = NonFiniteLogitsError("nan at step 3")
+    assert portable(keeps) is keeps
+    for bad in (TwoArgs("x", "y"), ValueError(threading.Lock())):  # rebuilds as TwoArgs("x"); no pickle
+        out = portable(bad)
+        assert type(out) is RuntimeError and type(bad).__name__ in str(out)
+
+
+class TwoArgs(Exception):
+    """Pickles (a module-level class), but its rebuild calls TwoArgs("x"): a TypeError."""
+
+    def __init__(self, a, b):
+        super().__init__(a)
+

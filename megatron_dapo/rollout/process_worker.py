@@ -14,6 +14,7 @@ closes (the parent died), also in the middle of a generation.
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import threading
@@ -29,10 +30,11 @@ ALIGN = 64
 
 
 def portable(e: BaseException) -> BaseException:
-    """`e` if it pickles and unpickles as itself, else a RuntimeError naming its type and message."""
+    """`e` if it pickles and rebuilds as itself (copy.copy rebuilds through the same __reduce__ the parent's
+    unpickling calls), else a RuntimeError naming its type and message."""
     try:
-        back = pickle.loads(pickle.dumps(e))
-        if type(back) is type(e):
+        pickle.dumps(e)
+        if type(copy.copy(e)) is type(e):
             return e
     except Exception:  # noqa: BLE001, S110 - any failure means: send a stand-in
         pass
