@@ -306,4 +306,5 @@ def test_the_pace_after_the_first_step_is_hand_arithmetic():
     line = pace_line(first, steps_left=49, evals_left=5)
     assert line == ("the first step took 10.0 s (update 6.0, rollout 3.0); the 49 step(s) left + 5 evaluation(s) "
                     "of 30 s: about 11 min at this pace")  # 49 x 10 + 5 x 30 = 640 s
-    assert pace_line({"timing/step_s": 2.0}, 3, 0).endswith("the 3 step(s) left: about 6 s at this pace")
+    assert pace_line({"timing/step_s": 2.0, "timing/eval_s": 0.3}, 3, 1).endswith(
+        "the 3 step(s) left + 1 evaluation(s) of 0.3 s: about 6.3 s at this pace")

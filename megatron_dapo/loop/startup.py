@@ -124,12 +124,14 @@ def pace_line(first: dict[str, float], steps_left: int, evals_left: int) -> str:
     split = ", ".join(f"{name} {v:.1f}" for name, v in sorted(phases, key=lambda p: -p[1]))
     step_s, eval_s = first.get("timing/step_s", 0.0), first.get("timing/eval_s", 0.0)
     rest = steps_left * step_s + evals_left * eval_s
-    evals = f" + {evals_left} evaluation(s) of {eval_s:.0f} s" if evals_left and eval_s else ""
+    evals = f" + {evals_left} evaluation(s) of {_duration(eval_s)}" if evals_left and eval_s else ""
     return (f"the first step took {step_s:.1f} s ({split}); the {steps_left} step(s) left{evals}: about "
             f"{_duration(rest)} at this pace")
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 10:
+        return f"{seconds:.1f} s"
     if seconds < 120:
         return f"{seconds:.0f} s"
     return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
