@@ -178,13 +178,15 @@ def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, width=100)
 
 
-def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
-    """`key: saved -> now` for every setting that differs, except those a resumed run may change."""
+def config_changes(saved: dict, now: dict, prefix: str = "", defaults: Config | None = None) -> list[str]:
+    """`key: saved -> now` for every setting that differs, except those a resumed run may change (read off
+    the fields of `defaults`, the default tree, built once per call)."""
+    defaults = defaults or Config()
     out = []
     for key in sorted(set(saved) | set(now)):
         dotted, a, b = f"{prefix}{key}", saved.get(key), now.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            out += config_changes(a, b, dotted + ".")
-        elif a != b and not may_change_on_resume(Config(), dotted):
+            out += config_changes(a, b, dotted + ".", defaults)
+        elif a != b and not may_change_on_resume(defaults, dotted):
             out.append(f"{dotted}: {a!r} -> {b!r}")
     return out
