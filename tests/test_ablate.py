@@ -168,6 +168,7 @@ def seconds_base(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_study_smoke_two_steps_and_resume(tmp_path, python_env, seconds_base):
     """dapo-small's dynamic-sampling contrast (two variants), two steps each; then run again."""
     out = tmp_path / "study"

@@ -88,7 +88,9 @@ def built(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2", "ep2", pytest.param("tp1_te", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("layout", [pytest.param("tp1", marks=pytest.mark.slow), "tp2",
+                                    pytest.param("pp2", marks=pytest.mark.slow), "ep2",
+                                    pytest.param("tp1_te", marks=pytest.mark.gpu)])
 def test_flags_without_init_equal_flags_with_init(built, layout):
     if LAYOUTS[layout][4] == "transformer_engine":
         pytest.importorskip("transformer_engine")

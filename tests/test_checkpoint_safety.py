@@ -124,6 +124,7 @@ def tiny_actor_hf(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("hf"), "qwen2", vocab_size=200)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_saved_before_any_update_resumes_exactly(tiny_actor_hf, tmp_path, python_env):
     for res in run_case("empty_opt", tiny_actor_hf, tmp_path, python_env):
         assert res["extra"]["trainer"] == {"note": "before any update"} and res["extra"]["updates"] == 0
@@ -155,6 +156,7 @@ def test_checkpoints_hold_no_pickle_and_crafted_pickles_never_run(tiny_actor_hf,
     assert not res["pwned"], "a crafted pickle in a checkpoint ran code"
 
 
+@pytest.mark.slow
 def test_a_transformer_engine_model_loads_a_local_spec_checkpoint(tiny_actor_hf, tmp_path, python_env):
     """TE's modules add `_extra_state` objects to the sharded state dict; the converter and CPU runs save
     with the local spec, without them: the strict load used to fail on them (and only on them)."""

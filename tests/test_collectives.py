@@ -78,6 +78,7 @@ def test_every_rank_validates_when_only_the_driver_holds_the_validation_set(base
     assert set(read_scalars(tmp_path / "val")["val/acc_avg_at_k"]) == {0, 1}
 
 
+@pytest.mark.slow
 def test_a_rollout_longer_than_the_collective_timeout_completes(base_dir, tmp_path, python_env):
     """parallel.timeout_s=20 and a first rollout that takes over 35 s (its first reward call sleeps): rank 1
     waits for the driver on the rendezvous store, not in the header's broadcast (which timed out: gloo

@@ -165,6 +165,7 @@ def test_qwen2_round_trip_sharded_output_is_bit_identical(converted, qwen2, env)
     assert re.search(r"27 tensors, .* in 4 safetensors file\(s\), float32", r.stdout), r.stdout
 
 
+@pytest.mark.slow
 def test_bf16_round_trip_is_bit_identical_and_loads_into_a_bf16_actor(qwen2, tmp_path, env):
     """The GPU dtype: a bf16 checkpoint converts at TP2 (verified in fp32: the same weights, 1e-4), comes
     back bit for bit in bf16, and a bf16 actor loads it with logits within bf16 rounding of transformers'

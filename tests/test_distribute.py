@@ -91,6 +91,7 @@ def torchrun(base_dir: Path, root: Path, run: str, env: dict, *flags: str) -> di
     return read_scalars(root / "tb" / run)
 
 
+@pytest.mark.slow
 def test_dp2_run_equals_the_broadcast_path(base_dir, tmp_path, python_env):
     scattered = torchrun(base_dir, tmp_path, "scatter", python_env)
     reference = torchrun(base_dir, tmp_path, "broadcast", python_env, "--broadcast")

@@ -30,6 +30,7 @@ STEPS = ["train.steps=3", "eval.every_steps=0", "checkpoint.save_every=1"]
 # (about -3e25 here), finite weights that overflow the first matmul. (lr itself is bounded: (0, 1].)
 EXPLODE = "actor.optimizer.weight_decay=1e30"
 MODES = {"streaming": "rollout.streaming=true", "rounds": "rollout.streaming=false"}
+TIERED_MODES = ["streaming", pytest.param("rounds", marks=pytest.mark.slow)]  # streaming is the default
 
 
 def nan_base(base_dir: Path, tmp_path: Path) -> Path:
@@ -53,7 +54,7 @@ def assert_nothing_saved(root: Path, run_name: str) -> None:
 # ------------------------------------------------------------------------------------ end to end
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", TIERED_MODES)
 def test_an_exploding_update_stops_the_run_in_one_line(base_dir, tmp_path, env, mode):
     r = run(train_cmd(base_dir, tmp_path, "boom", *STEPS, EXPLODE, MODES[mode]), env)
     line = one_line(r, 1, "step 1: the last update diverged: it ", "(update 1: lr 3.33333e-05, grad norm ")
@@ -61,7 +62,7 @@ def test_an_exploding_update_stops_the_run_in_one_line(base_dir, tmp_path, env, 
     assert_nothing_saved(tmp_path, "boom")
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", TIERED_MODES)
 def test_weights_that_give_nan_logits_stop_the_first_rollout_in_one_line(base_dir, tmp_path, env, mode):
     hf = nan_base(base_dir, tmp_path)
     r = run(train_cmd(hf, tmp_path, "nan", *STEPS, MODES[mode]), env)

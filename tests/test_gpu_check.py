@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -26,6 +28,7 @@ def test_the_dry_run_lists_every_stage(tmp_path):
     assert len(limits) == len(stages) and sum(limits) <= 540  # the whole check within 9 minutes
 
 
+@pytest.mark.slow
 def test_the_tiny_job_runs_in_bf16_with_a_checkpoint_every_step(tmp_path, python_env):
     import torch
 

@@ -59,6 +59,7 @@ def test_explicit_sources_mean_what_they_say():
     assert AlgoConfig().old_logprob_source == "recompute"  # equal to rounding only: not the default
 
 
+@pytest.mark.slow
 def test_where_auto_skips_it_equals_the_recompute(base_dir, tmp_path, python_env):
     """Same seed, same shared-weight engine: step 1 samples the same batch in both runs. The recompute run's
     monitored |pi_old - pi_rollout| is exactly the gap auto leaves in the ratio; the update follows it."""

@@ -208,6 +208,7 @@ def test_a_synchronous_run_has_no_staleness_and_no_correction(base_dir, tmp_path
     assert not [t for t in tb if t.startswith(("rollout/staleness", "rollout_corr/", "timing/overlap"))]
 
 
+@pytest.mark.slow
 def test_a_killed_async_run_resumes_exactly(base_dir, tmp_path, python_env):
     """SIGKILL after the step-2 checkpoint (which holds batch 3, made from the weights after step 1), then
     resume=auto: steps 3 and 4 write what the uninterrupted run wrote."""

@@ -256,11 +256,13 @@ def converted(hf_dirs, tmp_path_factory, env):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["qwen3_moe", "qwen2_moe", "qwen3_tied"])
 def test_conversion_round_trip_is_bit_identical(converted, hf_dirs, model):
     _assert_same_hf(hf_dirs[model], converted / f"{model}_hf")
 
 
+@pytest.mark.slow
 def test_actor_loads_converted_moe_checkpoints_at_ep2(converted, hf_dirs, tmp_path, env):
     """Written at TP2 / PP2, read by the actor at EP2 (dist checkpointing reshards the stacked experts),
     then exported with save_hf_checkpoint (experts gathered from both EP ranks): same logits, same tensors."""

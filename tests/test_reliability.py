@@ -56,6 +56,7 @@ def folder_of(root: Path, name: str) -> Path:
 # ------------------------------------------------------------------------------- run ownership
 
 
+@pytest.mark.slow
 def test_reusing_a_run_name_is_refused_unless_overwrite(base_dir, straight, tmp_path, env):
     root = tmp_path
     shutil.copytree(folder_of(straight, "straight"), folder_of(root, "mine"))
@@ -71,6 +72,7 @@ def test_reusing_a_run_name_is_refused_unless_overwrite(base_dir, straight, tmp_
     assert state["trainer"]["config"]["train"]["seed"] == 5
 
 
+@pytest.mark.slow
 def test_resume_auto_with_another_config_warns_loudly(base_dir, straight, tmp_path, env):
     shutil.copytree(folder_of(straight, "straight"), folder_of(tmp_path, "other"))
     r = run(train_cmd(base_dir, tmp_path, "other", *STEPS, "train.seed=2", "checkpoint.export_hf=false"), env)
@@ -79,6 +81,7 @@ def test_resume_auto_with_another_config_warns_loudly(base_dir, straight, tmp_pa
     assert warning and "train.seed: 1 -> 2" in warning[0] and "WARNING" in warning[0], r.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_second_run_is_locked_out_and_a_stale_lock_taken_over(base_dir, tmp_path, env):
     folder = folder_of(tmp_path, "locked")
     folder.mkdir(parents=True)
@@ -102,6 +105,7 @@ def test_a_second_run_is_locked_out_and_a_stale_lock_taken_over(base_dir, tmp_pa
 # ------------------------------------------------------------------------- verified checkpoints
 
 
+@pytest.mark.slow
 def test_a_corrupt_newest_checkpoint_is_skipped_and_the_run_replays_exactly(base_dir, straight, tmp_path, env):
     folder = folder_of(tmp_path, "copy")
     shutil.copytree(folder_of(straight, "straight"), folder)
@@ -147,10 +151,12 @@ def preempt_and_resume(base_dir, straight, tmp_path, env, sig: int, save_every: 
     return helpers
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_step_and_resume_replays_exactly(base_dir, straight, tmp_path, env):
     preempt_and_resume(base_dir, straight, tmp_path, env, signal.SIGTERM, save_every=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
 def test_a_signal_to_every_process_spares_the_helpers_and_resume_replays(base_dir, straight, tmp_path, env, sig):
     """The helpers outlive the job's signal: the checkpoint writer's Manager (a spawned helper) used to die of
@@ -159,6 +165,7 @@ def test_a_signal_to_every_process_spares_the_helpers_and_resume_replays(base_di
     assert any("multiprocessing" in h for h in helpers), helpers  # the helpers were signalled too
 
 
+@pytest.mark.slow
 def test_ctrl_c_exits_130_with_one_line_and_keeps_the_last_checkpoint(base_dir, tmp_path, env):
     cmd = train_cmd(base_dir, tmp_path, "int", "train.steps=6", "eval.every_steps=0", "checkpoint.save_every=1")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

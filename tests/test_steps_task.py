@@ -137,6 +137,7 @@ def test_steps_recipe_fingerprint_is_its_own():
     assert "split=train" in recipe.train_spec and "split=val" in recipe.val_spec
 
 
+@pytest.mark.slow
 def test_steps_base_build_is_deterministic_and_cached(tmp_path):
     """Step-limited builds of a seed are bit-identical; ensure_steps_base reuses a current one."""
     from dataclasses import replace

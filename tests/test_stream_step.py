@@ -250,6 +250,7 @@ def test_trainer_streams_and_writes_the_monitors(base_dir, tmp_path, python_env)
     assert all(v > 0 for v in tb["rollout/generated_tokens"].values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("partial", [False, True], ids=["drop", "partial_rollout"])
 def test_streaming_sigkill_and_resume_replays_exactly(base_dir, tmp_path, python_env, partial):
     """The embedded stream is one deterministic decode loop and group g's seed is f(seed, step, g): a

@@ -170,6 +170,7 @@ def test_batches_draw_styles_by_weight(char_tokenizer):
 # --------------------------------------------------------------------------------------------- build
 
 
+@pytest.mark.slow
 def test_short_build_loads_and_refuses_overwrite(tmp_path, python_env, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
