@@ -128,7 +128,7 @@ def fake_python(fake_exe, tmp_path, monkeypatch):
     return make
 
 
-def _gone(pid: int) -> bool:
+def process_gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -209,7 +209,7 @@ def _teacher_forced(model, prompt: list[int], response: list[int]) -> torch.Tens
     return picked[:, 0].cpu()
 
 
-def _max_logprob_diff(model, groups) -> float:
+def max_logprob_diff(model, groups) -> float:
     diffs = [
         (_teacher_forced(model, s.prompt_ids, s.response_ids) - torch.tensor(s.rollout_logprobs)).abs().max()
         for g in groups

@@ -7,13 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 from megatron_dapo.metrics import read_scalars
-from megatron_dapo.rollout.base import AbortReport, GroupResult, RolloutEngine, RolloutStream
+from megatron_dapo.rollout.base import AbortReport, GroupResult, RolloutEngine, RolloutStream, SamplingParams
 from megatron_dapo.types import Sample
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,6 +144,31 @@ def fake_checkpoint(root: Path, step: int) -> Path:
     write_manifest(path)
     (path / "COMPLETE").write_text(str(step))
     return path
+
+
+# ---- a generate aborted from another thread -------------------------------------------------------------
+
+
+def abort_a_running_generate(engine: RolloutEngine, prompts, limit_s: float,
+                             poll_s: float) -> list[BaseException]:
+    """Runs a long generate in a thread and calls engine.abort() until it returns (an abort before generate
+    has started is, by design, a no-op); returns what the generate raised."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            engine.generate(prompts, 2, SamplingParams(max_new_tokens=100_000, ignore_eos=True, seed=0))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + limit_s
+    while thread.is_alive() and time.monotonic() < deadline:
+        engine.abort()
+        thread.join(timeout=poll_s)
+    assert not thread.is_alive(), f"generate still running {limit_s} s after the first abort"
+    return errors
 
 
 # ---- a rollout engine that fails ------------------------------------------------------------------------

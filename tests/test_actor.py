@@ -2,7 +2,6 @@
 on, tied and untied embeddings, several updates), the token-level update, checkpoints. Multi-rank cases
 run tests/workers/actor_worker.py under torchrun (gloo)."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -86,22 +85,14 @@ def reference(hf_dirs):
 
 
 @pytest.fixture(scope="module")
-def layouts(hf_dirs, tmp_path_factory, python_env_module):
+def layouts(hf_dirs, tmp_path_factory, env):
     root = tmp_path_factory.mktemp("layouts")
     runs = {"root": root}
     for name, (tp, pp, nproc, models, extra) in LAYOUTS.items():
         ckpt = root / f"ckpt_{name}" if name in CKPT_LAYOUTS else None
         runs[name] = run_layout("train", [hf_dirs[m] for m in models], root / name, tp=tp, pp=pp, nproc=nproc,
-                                ckpt=ckpt, env={**python_env_module, **extra})
+                                ckpt=ckpt, env={**env, **extra})
     return runs
-
-
-@pytest.fixture(scope="module")
-def python_env_module():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = f"{Path(__file__).resolve().parents[1]}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def _shifted(t):
@@ -193,13 +184,13 @@ def test_token_level_exactness_dp2_split(layouts):
 
 
 @pytest.mark.parametrize("layout", CKPT_LAYOUTS)
-def test_checkpoint_exact_continuation(hf_dir, layouts, python_env_module, layout):
+def test_checkpoint_exact_continuation(hf_dir, layouts, env, layout):
     """Saved after one update, loaded into a fresh actor at the same layout: the next updates' losses and the
     logprobs are bit-identical, in fp32 and bf16 (the GPU dtype), with the plain and the distributed
     optimizer (bf16 used to fail at the first save; the distributed optimizer could never be loaded)."""
     tp, pp, nproc, _, extra = LAYOUTS[layout]
     res = run_layout("load", [hf_dir], layouts["root"] / f"load_{layout}", tp=tp, pp=pp, nproc=nproc,
-                     ckpt=layouts["root"] / f"ckpt_{layout}", env={**python_env_module, **extra})
+                     ckpt=layouts["root"] / f"ckpt_{layout}", env={**env, **extra})
     for got, saved in zip(res, layouts[layout]):
         assert got["untied"]["next_losses"] == saved["untied"]["next_losses"]
         assert torch.equal(got["untied"]["logprobs"], saved["untied"]["logprobs_after"])
@@ -251,17 +242,17 @@ def test_bf16_update_agrees_across_layouts(layouts, layout):
         assert (params[name].float() - p.float()).abs().max() <= 2 * LR + 2 ** -7 * p.float().abs().max(), name
 
 
-def test_checkpoint_reshard_tp2_to_tp1(hf_dir, layouts, python_env_module):
+def test_checkpoint_reshard_tp2_to_tp1(hf_dir, layouts, env):
     res = run_layout("load", [hf_dir], layouts["root"] / "load_tp2_as_tp1", ckpt=layouts["root"] / "ckpt_tp2",
-                     env=python_env_module)[0]["untied"]
+                     env=env)[0]["untied"]
     saved = layouts["tp2"][0]["untied"]
     valid = fixed_batch().lengths[:, None] > torch.arange(16)[None]
     assert (res["logprobs"] - saved["logprobs_after"])[valid].abs().max() < 1e-5
     assert res["next_losses"] == pytest.approx(saved["next_losses"], rel=1e-4)
 
 
-def test_train_step_lowers_the_loss(hf_dir, tmp_path, python_env_module):
-    losses = run_layout("learn", [hf_dir], tmp_path, env=python_env_module)[0]["untied"]["losses"]
+def test_train_step_lowers_the_loss(hf_dir, tmp_path, env):
+    losses = run_layout("learn", [hf_dir], tmp_path, env=env)[0]["untied"]["losses"]
     assert losses[-1] < losses[0] - 0.05, losses
 
 
@@ -275,8 +266,8 @@ def test_checkpoints_are_atomic_and_pruned(layouts):
     assert latest_checkpoint(layouts["root"] / "missing") is None
 
 
-def test_nonfinite_loss_skips_the_update(hf_dir, tmp_path, python_env_module):
-    res = run_layout("nan", [hf_dir], tmp_path, env=python_env_module)[0]["untied"]
+def test_nonfinite_loss_skips_the_update(hf_dir, tmp_path, env):
+    res = run_layout("nan", [hf_dir], tmp_path, env=env)[0]["untied"]
     assert res["metrics"]["nonfinite"] == 1.0 and res["metrics"]["update_ok"] == 0.0
     assert res["unchanged"]
     assert res["metrics_next"]["update_ok"] == 1.0  # the next healthy step trains normally

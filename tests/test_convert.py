@@ -61,16 +61,6 @@ def llama(tmp_path_factory):
     return _tiny("llama", tmp_path_factory.mktemp("llama"), seed=1, tied=True, rms_norm_eps=1e-5)
 
 
-@pytest.fixture(scope="module")
-def env():
-    import os
-
-    e = dict(os.environ)
-    e["PYTHONPATH"] = f"{REPO}{os.pathsep}{e.get('PYTHONPATH', '')}"
-    e["OMP_NUM_THREADS"] = "1"
-    return e
-
-
 def tool(script: Path, *args, env, expect: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
     r = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
                        env=env, timeout=timeout)

@@ -7,6 +7,7 @@ The progress bar moves as each prompt's samples finish (streamed), with tokens/s
 import itertools
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,13 +96,9 @@ def trained(base_dir, tmp_path_factory, python_env_module):
 
 
 @pytest.fixture(scope="module")
-def python_env_module():
-    import os
-
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(WORKERS), env.get("PYTHONPATH", "")])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
+def python_env_module(env):
+    """conftest's `env` with the test workers importable too."""
+    return {**env, "PYTHONPATH": f"{WORKERS}{os.pathsep}{env['PYTHONPATH']}"}
 
 
 def evaluate_cli(model, out, env, *extra):

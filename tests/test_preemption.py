@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from sglang_support import SGLANG_TIMEOUT, _gone, server_ports
+from sglang_support import SGLANG_TIMEOUT, process_gone, server_ports
 from support import logged_steps, one_line, run, signal_job, train_cmd, wait_for
 
 
@@ -64,7 +64,7 @@ def test_a_server_keeps_serving_through_the_jobs_stop_signals(fake_python, tmp_p
         t0 = time.monotonic()
         engine.shutdown()
         took = time.monotonic() - t0
-    wait_until(lambda: _gone(engine.pid) and group_gone(engine.pid), timeout=5)  # SIGKILLed, being reaped
+    wait_until(lambda: process_gone(engine.pid) and group_gone(engine.pid), timeout=5)  # SIGKILLed, reaped
     assert took < 1.5, f"shutdown took {took:.1f} s: the stop request (SIGINT) did not stop it"
 
 
@@ -90,11 +90,11 @@ def test_a_hung_deaf_server_goes_with_its_sigkilled_trainer(fake_exe, tmp_path, 
         server = int(trainer.stdout.readline())
         wait_until(lambda: any("is deaf" in f.read_text() for f in logs.glob("*.log")), timeout=60)
         time.sleep(3.0)  # longer than the watchdog's grace: a living trainer keeps its server
-        assert not _gone(server)
+        assert not process_gone(server)
     finally:
         trainer.kill()  # SIGKILL, the trainer only: nothing of it runs any cleanup
         trainer.wait(timeout=30)
-    took = wait_until(lambda: _gone(server) and group_gone(server), timeout=20)
+    took = wait_until(lambda: process_gone(server) and group_gone(server), timeout=20)
     print(f"the deaf server and its group were gone {took:.1f} s after the trainer")
 
 
@@ -124,7 +124,7 @@ def test_sigterm_while_the_servers_start_stops_at_once(base_dir, fake_exe, tmp_p
     one_line(subprocess.CompletedProcess(cmd, proc.returncode, "", stderr), 143,
              "train: preempted: stopped by SIGTERM while starting (nothing to save): no checkpoint yet")
     assert took < 10, f"the trainer took {took:.1f} s to stop"
-    wait_until(lambda: _gone(server) and group_gone(server), timeout=5)
+    wait_until(lambda: process_gone(server) and group_gone(server), timeout=5)
     assert not (tmp_path / "ckpt" / "starting" / ".lock").exists()
 
 

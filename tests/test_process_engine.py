@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from support import abort_a_running_generate
 
 from megatron_dapo.rollout.base import (
     EngineStateError,
@@ -141,21 +142,8 @@ def test_non_finite_weights_raise_non_finite_logits_error(hf_dir):
 def test_abort_from_another_thread_stops_a_running_generate(hf_dir):
     engine = ProcessEngine(hf_dir, threads=1)
     try:
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=100_000, ignore_eos=True, seed=0))
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        deadline = time.monotonic() + 60
-        while thread.is_alive() and time.monotonic() < deadline:
-            engine.abort()  # before generate has started it is (by design) a no-op
-            thread.join(timeout=0.2)
-        assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], GenerationAborted)
+        errors = abort_a_running_generate(engine, PROMPTS, limit_s=60, poll_s=0.2)
+        assert len(errors) == 1 and isinstance(errors[0], GenerationAborted)
         assert engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=3, seed=0))[0][0].response_len == 3
     finally:
         engine.shutdown()

@@ -8,7 +8,6 @@ that every token's top-k is decided by a wide margin (checked below), so fp32 no
 cannot flip an expert choice.
 """
 
-import os
 import re
 import subprocess
 import sys
@@ -58,14 +57,6 @@ def _save(name: str, folder: Path) -> Path:
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_models")
     return {name: _save(name, root / name) for name in MODELS}
-
-
-@pytest.fixture(scope="module")
-def env():
-    e = dict(os.environ)
-    e["PYTHONPATH"] = f"{Path(__file__).resolve().parents[1]}{os.pathsep}{e.get('PYTHONPATH', '')}"
-    e["OMP_NUM_THREADS"] = "1"
-    return e
 
 
 def run_worker(case, dirs, out, tp, pp, ep, ranks, env, timeout=500):

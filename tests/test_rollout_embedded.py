@@ -1,10 +1,9 @@
 """EmbeddedEngine against the transformers model it wraps: logprobs, finish reasons, weights, state."""
 
-import threading
-import time
 
 import pytest
 import torch
+from support import abort_a_running_generate
 
 from megatron_dapo.rollout import EmbeddedEngine, EngineStateError, GenerationAborted, SamplingParams
 from megatron_dapo.tiny import tiny_model
@@ -217,21 +216,8 @@ def test_abort_drops_running_generate(model):
     engine = EmbeddedEngine(model)
     engine.abort()  # nothing running: no effect on the next call
     assert engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=3, seed=0))[0][0].response_len == 3
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=4000, ignore_eos=True, seed=0))
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while thread.is_alive() and time.monotonic() < deadline:
-        engine.abort()  # repeated: a call before generate has started is (by design) a no-op
-        thread.join(timeout=0.05)
-    assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], GenerationAborted)
+    errors = abort_a_running_generate(engine, PROMPTS, limit_s=30, poll_s=0.05)
+    assert len(errors) == 1 and isinstance(errors[0], GenerationAborted)
     assert engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=3, seed=0))[0][0].response_len == 3
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang_support import SGLANG_TIMEOUT, _gone, _max_logprob_diff, server_ports
+from sglang_support import SGLANG_TIMEOUT, max_logprob_diff, process_gone, server_ports
 
 from megatron_dapo.config import SGLangConfig
 from megatron_dapo.rollout.base import EngineStateError, GenerationAborted, SamplingParams
@@ -118,7 +118,7 @@ def test_server_that_never_gets_healthy_times_out_and_is_killed(fake_python):
         fake_python("hang", startup_timeout_s=2)
     assert time.monotonic() - t0 < 30
     pid = int(str(err.value).split("(pid ")[1].split(")")[0])
-    assert _gone(pid)
+    assert process_gone(pid)
 
 
 def test_server_whose_port_was_taken_fails_fast_not_at_the_timeout(fake_python):
@@ -127,7 +127,7 @@ def test_server_whose_port_was_taken_fails_fast_not_at_the_timeout(fake_python):
         fake_python("bindfail", startup_timeout_s=600)
     assert time.monotonic() - t0 < 30
     pid = int(str(err.value).split("(pid ")[1].split(")")[0])
-    assert _gone(pid)
+    assert process_gone(pid)
 
 
 def test_killed_server_fails_the_running_request_fast(fake_python):
@@ -155,7 +155,7 @@ def test_slow_server_hits_the_request_timeout(fake_python):
     finally:
         pid = engine.pid
         engine.shutdown()
-        assert _gone(pid)
+        assert process_gone(pid)
         engine.shutdown()  # idempotent
 
 
@@ -193,7 +193,7 @@ def engine(sglang_python, models, tmp_path_factory):
     pid = eng.pid
     yield eng
     eng.shutdown()
-    assert _gone(pid), f"SGLang server pid {pid} still running after shutdown()"
+    assert process_gone(pid), f"SGLang server pid {pid} still running after shutdown()"
 
 
 PROMPTS = [[5, 6, 7], [9, 9], [17, 33, 65, 129, 200]]
@@ -212,7 +212,7 @@ def test_generate_n_samples_with_logprobs_equal_to_teacher_forcing(engine, hf):
             assert s.finish_reason == "length" and s.truncated
             assert all(lp <= 0 for lp in s.rollout_logprobs)
     assert len({tuple(s.response_ids) for s in groups[0]}) > 1  # the n samples are sampled independently
-    assert _max_logprob_diff(hf["a"], groups) <= 1e-4
+    assert max_logprob_diff(hf["a"], groups) <= 1e-4
 
 
 @pytest.mark.sglang
@@ -262,8 +262,8 @@ def test_weight_update_makes_logprobs_match_the_new_model(engine, hf, transport)
             assert stats.buckets > 3 and stats.bytes == total
             assert engine.weight_version() != before
             groups = engine.generate(PROMPTS, 2, sampling)
-            assert _max_logprob_diff(hf[target], groups) <= 1e-4
-        assert _max_logprob_diff(hf["b"], groups) > 1e-2  # the check can tell the two models apart
+            assert max_logprob_diff(hf[target], groups) <= 1e-4
+        assert max_logprob_diff(hf["b"], groups) > 1e-2  # the check can tell the two models apart
     finally:
         engine.bucket_bytes = 2**20
 
@@ -304,7 +304,7 @@ def test_released_weights_are_lost_until_synced_again(engine, hf):
     assert all(math.isnan(x) for x in engine.score(tokens, 4)[0])
     engine.update_weights(hf["a"].state_dict().items(), transport="tensor")
     groups = engine.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True))
-    assert _max_logprob_diff(hf["a"], groups) <= 1e-4
+    assert max_logprob_diff(hf["a"], groups) <= 1e-4
 
 
 @pytest.mark.sglang

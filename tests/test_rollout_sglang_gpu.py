@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from sglang_support import SGLANG_TIMEOUT, _gone, _max_logprob_diff, server_ports
+from sglang_support import SGLANG_TIMEOUT, process_gone, max_logprob_diff, server_ports
 
 from megatron_dapo.config import SGLangConfig
 from megatron_dapo.rollout.base import SamplingParams
@@ -47,12 +47,12 @@ def test_colocated_cuda_ipc_updates_and_release_resume(models, cuda_hf, tmp_path
     pid = engine.pid
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
     try:
-        assert _max_logprob_diff(cuda_hf["a"], engine.generate(PROMPTS, 2, sampling)) < 1e-4
+        assert max_logprob_diff(cuda_hf["a"], engine.generate(PROMPTS, 2, sampling)) < 1e-4
 
         # CUDA tensors travel as IPC handles; bucket_mb=1 makes several buckets
         engine.update_weights(cuda_hf["b"].state_dict().items(), transport="tensor")
         assert engine.last_update.buckets >= 2 and engine.last_update.bytes > 0
-        assert _max_logprob_diff(cuda_hf["b"], engine.generate(PROMPTS, 2, sampling)) < 1e-4
+        assert max_logprob_diff(cuda_hf["b"], engine.generate(PROMPTS, 2, sampling)) < 1e-4
 
         before = _gpu_used_mib()
         engine.sleep()
@@ -62,10 +62,10 @@ def test_colocated_cuda_ipc_updates_and_release_resume(models, cuda_hf, tmp_path
         engine.wake()
         assert _gpu_used_mib() > before - 0.5 * released  # the memory is taken back
         engine.update_weights(cuda_hf["b"].state_dict().items(), transport="tensor")  # as the trainer does
-        assert _max_logprob_diff(cuda_hf["b"], engine.generate(PROMPTS, 2, sampling)) < 1e-4
+        assert max_logprob_diff(cuda_hf["b"], engine.generate(PROMPTS, 2, sampling)) < 1e-4
     finally:
         engine.shutdown()
-    assert _gone(pid)
+    assert process_gone(pid)
 
 
 def _per_rank_worker(rank, world, port, url_port, model_b, api_key, out):
@@ -121,6 +121,6 @@ def test_each_rank_serialises_its_server_ranks_payload_by_device_uuid(models, tm
         r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
         assert r0["error"] is None and r1["error"] is None and r0["sent"] == r1["sent"] > 0
         sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
-        assert _max_logprob_diff(hf_b, engine.generate(PROMPTS, 2, sampling)) < 1e-4
+        assert max_logprob_diff(hf_b, engine.generate(PROMPTS, 2, sampling)) < 1e-4
     finally:
         engine.shutdown()

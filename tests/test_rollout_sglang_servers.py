@@ -11,7 +11,7 @@ import socket
 import time
 
 import pytest
-from sglang_support import SGLANG_TIMEOUT, _gone, _max_logprob_diff, server_ports
+from sglang_support import SGLANG_TIMEOUT, process_gone, max_logprob_diff, server_ports
 
 from megatron_dapo.config import SGLangConfig
 from megatron_dapo.rollout.base import SamplingParams
@@ -53,7 +53,7 @@ def test_servers_take_consecutive_ports_and_stop_together(fake_exe, tmp_path, mo
     pids = [e.pid for e in group.engines]
     assert group.health()
     group.shutdown()
-    assert all(_gone(pid) for pid in pids)
+    assert all(process_gone(pid) for pid in pids)
 
 
 def test_a_server_that_cannot_start_stops_the_others(fake_exe, tmp_path, monkeypatch):
@@ -73,7 +73,7 @@ def test_a_server_that_cannot_start_stops_the_others(fake_exe, tmp_path, monkeyp
         with pytest.raises(SGLangServerError, match=f"127.0.0.1:{port + 1}: the port is already in use"):
             launch_servers(tmp_path, SGLangConfig(base_port=port, num_servers=2), python=str(fake_exe),
                            device="cpu", log_dir=tmp_path / "logs", shutdown_grace_s=2)
-    assert spawned and spawned[0].pid is not None and _gone(spawned[0].pid)
+    assert spawned and spawned[0].pid is not None and process_gone(spawned[0].pid)
 
 
 PROMPTS = [[5, 6, 7], [9, 9], [17, 33, 65, 129, 200], [40, 41], [3]]
@@ -93,14 +93,14 @@ def test_two_real_servers_split_prompts_and_both_take_weight_updates(sglang_pyth
         greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
         groups = group.generate(PROMPTS, 2, greedy)
         assert [s.prompt_ids for g in groups for s in g] == [list(p) for p in PROMPTS for _ in range(2)]
-        assert _max_logprob_diff(hf["a"], groups) < 1e-4
+        assert max_logprob_diff(hf["a"], groups) < 1e-4
         group.update_weights(hf["b"].state_dict().items())  # streamed to both servers at once
         sampled = group.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=6))
         per_server = [sampled[:3], sampled[3:]]  # prompts 0-2 went to server 0, 3-4 to server 1
-        assert all(_max_logprob_diff(hf["b"], part) < 1e-4 for part in per_server)
+        assert all(max_logprob_diff(hf["b"], part) < 1e-4 for part in per_server)
     finally:
         group.shutdown()
-    assert all(_gone(pid) for pid in pids)
+    assert all(process_gone(pid) for pid in pids)
 
 
 @pytest.mark.sglang
@@ -126,9 +126,9 @@ def test_one_broadcast_updates_several_servers(sglang_python, models, hf, tmp_pa
         assert torch.distributed.get_world_size(sync._broadcast.pg) == 3
         assert counts.sent == counts.bytes  # each bucket sent once for both servers
         sampled = group.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=6))
-        assert _max_logprob_diff(hf["b"], sampled[:3]) < 1e-4 and _max_logprob_diff(hf["b"], sampled[3:]) < 1e-4
+        assert max_logprob_diff(hf["b"], sampled[:3]) < 1e-4 and max_logprob_diff(hf["b"], sampled[3:]) < 1e-4
         assert sync.update(hf["a"].state_dict().items()).error is None  # the group is reused
-        assert _max_logprob_diff(hf["a"], group.generate(PROMPTS, 1, SamplingParams(max_new_tokens=4))) < 1e-4
+        assert max_logprob_diff(hf["a"], group.generate(PROMPTS, 1, SamplingParams(max_new_tokens=4))) < 1e-4
     finally:
         sync.shutdown()
         group.shutdown()

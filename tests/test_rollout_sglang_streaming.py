@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from sglang_support import SGLANG_TIMEOUT, _gone, _max_logprob_diff, server_ports
+from sglang_support import SGLANG_TIMEOUT, process_gone, max_logprob_diff, server_ports
 
 from megatron_dapo.config import SGLangConfig
 from megatron_dapo.rollout.step.streaming import RolloutStepError, StreamPlan, stream_groups
@@ -30,7 +30,7 @@ def engine(sglang_python, models, tmp_path_factory):
     pid = eng.pid
     yield eng
     eng.shutdown()
-    assert _gone(pid), f"SGLang server pid {pid} still running after shutdown()"
+    assert process_gone(pid), f"SGLang server pid {pid} still running after shutdown()"
 
 
 def group(key: int, max_new: int, n: int = 3, seed: int | None = None) -> GroupRequest:
@@ -47,7 +47,7 @@ def test_groups_come_back_in_completion_order_with_exact_logprobs(engine, hf):
     for r in results:
         assert len(r.samples) == 3 and all(s.prompt_ids == [5 + r.key, 6, 7] for s in r.samples)
         assert all(s.response_len == (300, 200, 4)[r.key] and s.finish_reason == "length" for s in r.samples)
-    assert _max_logprob_diff(hf["a"], [r.samples for r in results]) <= 1e-4
+    assert max_logprob_diff(hf["a"], [r.samples for r in results]) <= 1e-4
 
 
 def test_seeds_are_sent_but_not_honoured_on_cpu(engine):
@@ -115,7 +115,7 @@ def test_partial_rollout_continues_the_aborted_responses(engine, hf):
             assert s.response_ids[: before.response_len] == before.response_ids
             assert s.rollout_logprobs[: before.response_len] == before.rollout_logprobs
             assert s.response_len == 1000 and s.finish_reason == "length"
-    assert _max_logprob_diff(hf["a"], [r.samples for r in results.values()]) <= 1e-4
+    assert max_logprob_diff(hf["a"], [r.samples for r in results.values()]) <= 1e-4
 
 
 def score_all_informative(g: Group) -> None:

@@ -35,7 +35,7 @@ from megatron_dapo.wandb_mirror import import_wandb
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunState", "SetupError", "build_run", "load_train_prompts", "load_val_prompts"]
+__all__ = ["RunState", "SetupError", "build_run"]
 
 
 def build_run(cfg: Config) -> RunState:
