@@ -30,7 +30,8 @@ STEPS = ["train.steps=3", "eval.every_steps=0", "checkpoint.save_every=1"]
 # (about -3e25 here), finite weights that overflow the first matmul. (lr itself is bounded: (0, 1].)
 EXPLODE = "actor.optimizer.weight_decay=1e30"
 MODES = {"streaming": "rollout.streaming=true", "rounds": "rollout.streaming=false"}
-TIERED_MODES = ["streaming", pytest.param("rounds", marks=pytest.mark.slow)]  # streaming is the default
+# the default (streaming) in the CPU tier, rounds in the slow tier
+TIERED_MODES = [pytest.param(m, marks=pytest.mark.slow) if m == "rounds" else m for m in MODES]
 
 
 def nan_base(base_dir: Path, tmp_path: Path) -> Path:

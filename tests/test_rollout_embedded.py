@@ -1,6 +1,5 @@
 """EmbeddedEngine against the transformers model it wraps: logprobs, finish reasons, weights, state."""
 
-
 import pytest
 import torch
 from support import abort_a_running_generate
