@@ -1,6 +1,7 @@
-"""tools/bench_step.py end to end at a size that runs in seconds (one layer, a 512-token vocabulary): the JSON
-has every field, and its figures agree with one another and with hand arithmetic (timings are not checked);
-the model's matmul shapes of SmolLM2-135M against its published parameter count."""
+"""tools/bench_step.py end to end at a size that runs in seconds (one layer, a 512-token vocabulary), --compare
+with two updates a step: the JSON has every field, and its figures agree with one another and with hand
+arithmetic (timings are not checked); the model's matmul shapes of SmolLM2-135M against its published
+parameter count."""
 
 import json
 import os
@@ -28,7 +29,7 @@ def load_tool():
 def out() -> dict:
     cmd = [sys.executable, str(REPO / "tools" / "bench_step.py"), "--json", "--layers", "1", "--vocab", "512",
            "--prompts", str(PROMPTS), "--group-size", str(G), "--max-response-len", str(L), "--steps", str(STEPS),
-           "--threads", "1"]
+           "--threads", "1", "--compare", "--mini-batches", "2"]
     r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, cwd=REPO,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
@@ -56,7 +57,8 @@ def test_arithmetic(out):
     for row in out["per_step"]:
         # every trained row is a prompt of > 8 tokens plus 1..L response tokens
         assert PROMPTS * G * 9 <= row["trained_tokens"] <= PROMPTS * G * (512 + L)
-        assert row["update_flops"] == 6.0 * n * row["trained_tokens"]
+        assert row["update_tokens"] <= row["trained_tokens"]  # a shared prompt is computed once
+        assert row["update_flops"] == 6.0 * n * row["update_tokens"]
         assert row["update_flop_per_s"] == pytest.approx(row["update_flops"] / row["update_s"])
     s = out["summary"]
     assert s["ratio"] == pytest.approx(s["update_flop_per_s"] / out["peak_flop_per_s"])
@@ -64,6 +66,23 @@ def test_arithmetic(out):
     assert out["overhead_s"] == pytest.approx(out["train_wall_s"] - sum(r["step_s"] for r in out["per_step"]))
     assert 0 < out["cores_used"] and out["train_cpu_s"] == pytest.approx(out["cores_used"] * out["train_wall_s"])
     assert "train.prompt_batch_size=2" in out["command"] and "algo.group_size=2" in out["command"]
+    assert "train.mini_batch_size=1" in out["command"]
+
+
+def test_compare_runs_the_same_work_as_before_issue_28(out):
+    """Before: pi_old recomputed, every row's prompt computed, so the updates compute exactly the trained
+    tokens. After: pi_old taken from the embedded engine (no pass) and each group's prompt computed once."""
+    before = out["before"]
+    assert before["overrides"] == ["actor.shared_prefix=false", "algo.old_logprob_source=recompute"]
+    assert out["overrides"] == ["algo.old_logprob_source=auto"]
+    for b, a in zip(before["per_step"], out["per_step"], strict=True):
+        assert a["old_logprob_s"] < b["old_logprob_s"] / 10  # no pass after: the engine's logprobs are pi_old
+        assert b["prefix_saved_frac"] == 0.0
+        assert abs(b["update_tokens"] - b["trained_tokens"]) <= 1  # trained_tokens is a rate x seconds, rounded
+        assert b["update_flops"] == 6.0 * out["matmul_params"] * b["update_tokens"]
+        assert a["prefix_saved_frac"] > 0 and a["update_tokens"] < a["trained_tokens"]
+    assert before["summary"]["ratio"] == pytest.approx(before["summary"]["update_flop_per_s"] / out["peak_flop_per_s"])
+    assert out["step_ratio"] == pytest.approx(out["summary"]["step_s"] / before["summary"]["step_s"])
 
 
 def test_smollm2_shapes_count_its_parameters():

@@ -160,6 +160,21 @@ def test_the_pipeline_saves_the_batch_it_holds():
     pipe.close(), other.close()
 
 
+def test_the_producer_takes_half_of_the_threads_unless_the_engine_has_its_own():
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        RolloutPipeline(threads=1).close()  # the embedded engine's process has its own: the actor keeps all
+        assert torch.get_num_threads() == 4
+        pipe = RolloutPipeline()  # SGLang: the producer thread takes half
+        assert pipe.threads == 2 and torch.get_num_threads() == 2
+        pipe.close()
+    finally:
+        torch.set_num_threads(before)
+
+
 # --- config -------------------------------------------------------------------------------------------------
 
 def test_async_needs_its_own_devices_and_a_recomputed_pi_old():
@@ -200,12 +215,18 @@ def test_an_async_run_trains_one_version_behind_with_the_correction(base_dir, tm
         assert set(tb[tag]) == {1, 2, 3}
 
 
-def test_a_synchronous_run_has_no_staleness_and_no_correction(base_dir, tmp_path, python_env):
-    r = run_train(train_cmd(base_dir, tmp_path, "sync", "train.steps=1", "checkpoint.save_every=0",
+def test_a_synchronous_run_on_its_own_devices_has_no_staleness_and_no_correction(base_dir, tmp_path, python_env):
+    """rollout.colocate=false without pipelining: the engine keeps its own cores (its own process, as its own
+    GPUs would be) and takes each step's weights, so every batch is on-policy."""
+    r = run_train(train_cmd(base_dir, tmp_path, "sync", "train.steps=2", "checkpoint.save_every=0",
                             "rollout.colocate=false"), python_env)
     assert "rollout schedule: synchronous" in r.stderr and "rollout correction none" in r.stderr
+    assert "embedded, in its own process (1 thread, pid" in r.stderr and "the actor keeps 1)" in r.stderr
+    assert "the engine is on its own devices (rollout.colocate=false)" in r.stderr
     tb = read_scalars(tmp_path / "tb" / "sync")
     assert not [t for t in tb if t.startswith(("rollout/staleness", "rollout_corr/", "timing/overlap"))]
+    # the engine sampled step 2 from the weights after step 1: its logprobs are the actor's pi_old
+    assert max(tb["rollout/train_rollout_logprob_absdiff"].values()) < 1e-4
 
 
 @pytest.mark.slow
@@ -242,6 +263,22 @@ def test_bench_async_reports_the_ratio_beside_the_overlap_limit():
     row = compare("tiny", "embedded", sync, pipe)
     assert row["limit"] == 0.75 and abs(row["ratio"] - 3.3 / 4.0) < 1e-12
     assert (row["sync_generate_s"], row["sync_train_s"], row["async_actor_idle_s"]) == (3.0, 1.0, 2.1)
+
+
+@pytest.mark.parametrize("name", ["tiny", "steps", "smollm2"])
+def test_bench_async_runs_valid_configs_on_each_base(name):
+    """Each base's config with the bench's overrides passes validation, synchronous and pipelined."""
+    import runpy
+
+    from megatron_dapo.config import load_config
+
+    tool = runpy.run_path(str(REPO / "tools" / "bench_async.py"))
+    _, config, sized = tool["BASES"][name]
+    for async_steps in (0, 1):
+        cfg = load_config(str(REPO / config), [*tool["COMMON"], *sized, f"rollout.async_steps={async_steps}"])
+        validate(cfg)
+        assert not cfg.rollout.colocate and cfg.rollout.async_steps == async_steps
+
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -2,15 +2,19 @@
 with `rollout.async_steps=1`, wall per step, each side's idle time and tokens/s, beside the limit.
 
 Both runs are `python -m megatron_dapo.train` on the same base, prompts, groups and updates (seeded), with
-`rollout.colocate=false`, in one session; torch gets --threads threads: the synchronous run uses all of them
-for whichever phase runs, the pipelined one gives half to the engine (the embedded engine: its own process,
-rollout/process_engine.py) and half to the actor.
+`rollout.colocate=false`, in one session; torch gets --threads threads. The engine is on its own cores in
+both runs, as on its own GPUs: the embedded engine runs in a process of its own with half of the threads
+(rollout/process_engine.py), the actor keeps the other half, and in the synchronous run each side idles
+while the other works. Bases: tiny (0.6M parameters), steps (the study's longer responses; a 15-minute
+build) and smollm2 (SmolLM2-135M's architecture with --smollm2-layers layers, random weights, the
+SmolLM2 recipe on built-in arithmetic prompts: a size where the kernels, not Python, take the time).
 Steps after the first are compared (the first has nothing to overlap with). The limit of overlapping two
 phases of times g (generation + reward) and t (the rest of the step) is max(g, t) / (g + t), from the
 synchronous run's own phase times.
 
     python tools/bench_async.py --json                      # the tiny base, then the steps base, embedded
     python tools/bench_async.py --bases tiny --engines sglang --steps 4
+    python tools/bench_async.py --bases smollm2 --smollm2-layers 4 --steps 4 --json
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+SIZE = ["train.prompt_batch_size=16", "train.mini_batch_size=8", "algo.group_size=8"]
 BASES = {
     # base -> (how to build it, the config, overrides that size the work)
-    "tiny": ("megatron_dapo.tiny:ensure_tiny_base", "examples/configs/tiny_cpu.yaml",
-             ["train.prompt_batch_size=16", "train.mini_batch_size=8", "algo.group_size=8"]),
-    "steps": ("megatron_dapo.tiny.steps_base:ensure_steps_base", "examples/configs/study_dapo_small.yaml",
-              ["train.prompt_batch_size=16", "train.mini_batch_size=8", "algo.group_size=8"]),
+    "tiny": ("megatron_dapo.tiny:ensure_tiny_base", "examples/configs/tiny_cpu.yaml", SIZE),
+    "steps": ("megatron_dapo.tiny.steps_base:ensure_steps_base", "examples/configs/study_dapo_small.yaml", SIZE),
+    "smollm2": ("megatron_dapo.tiny.chat:save_smollm2_shaped", "examples/configs/smollm2_135m_instruct.yaml",
+                ["data.train_path=builtin:arithmetic?n=256&seed=0&style=instruct", "data.val_path=null",
+                 "train.prompt_batch_size=4", "train.mini_batch_size=4", "algo.group_size=8",
+                 "algo.dynamic_sampling=false", "rollout.max_response_len=64", "reward.overlong_cache_len=16"]),
 }
 COMMON = ["eval.every_steps=0", "checkpoint.save_every=0", "checkpoint.export_hf=false", "rollout.colocate=false",
           "train.rollout_budget=0", "logging.samples_every=0", "rollout.weight_sync_probe=false"]
@@ -41,29 +48,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bases", nargs="+", default=["tiny", "steps"], choices=list(BASES))
     p.add_argument("--engines", nargs="+", default=["embedded"], choices=["embedded", "sglang"])
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides of both runs")
+    p.add_argument("--smollm2-layers", type=int, default=4, help="decoder layers of the smollm2 base (SmolLM2: 30)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the trainer process (this machine: 2)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     return p
 
 
-def build_base(name: str, root: Path) -> Path:
+def build_base(name: str, root: Path, smollm2_layers: int) -> Path:
     module, _, func = BASES[name][0].partition(":")
-    code = f"from {module} import {func}; print({func}({str(root / name)!r}))"
+    kwargs = f", layers={smollm2_layers}" if name == "smollm2" else ""
+    code = f"from {module} import {func}; print({func}({str(root / name)!r}{kwargs}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def run(base: Path, name: str, engine: str, async_steps: int, steps: int, threads: int, root: Path) -> dict:
+def run(base: Path, name: str, engine: str, async_steps: int, args: argparse.Namespace, root: Path) -> dict:
     """One training run; its per-step scalars (TensorBoard), steps 2.. ."""
     from megatron_dapo.metrics import read_scalars
 
     run_name = f"{name}_{engine}_async{async_steps}"
     cmd = [sys.executable, "-m", "megatron_dapo.train", "--config", str(REPO / BASES[name][1]),
            f"model.hf_dir={base}", f"checkpoint.dir={root / 'ckpt'}", f"logging.tensorboard_dir={root / 'tb'}",
-           f"logging.run_name={run_name}", f"train.steps={steps}", f"rollout.engine={engine}",
-           f"rollout.async_steps={async_steps}", *COMMON, *BASES[name][2]]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+           f"logging.run_name={run_name}", f"train.steps={args.steps}", f"rollout.engine={engine}",
+           f"rollout.async_steps={async_steps}", *COMMON, *BASES[name][2], *args.set]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=3600)
     if r.returncode:
         raise RuntimeError(f"{run_name} failed:\n{r.stderr[-4000:]}")
     tb = read_scalars(root / "tb" / run_name)
@@ -95,10 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
         root = Path(tmp)
         for name in args.bases:
-            base = build_base(name, root)
+            base = build_base(name, root, args.smollm2_layers)
             for engine in args.engines:
-                sync = run(base, name, engine, 0, args.steps, args.threads, root)
-                pipe = run(base, name, engine, 1, args.steps, args.threads, root)
+                sync = run(base, name, engine, 0, args, root)
+                pipe = run(base, name, engine, 1, args, root)
                 row = compare(name, engine, sync, pipe)
                 if args.json:
                     print(json.dumps(row), flush=True)

@@ -1,12 +1,16 @@
 """The rollout engine a run generates with: SGLang servers (node leaders start them, the driver drives them
 all) or the embedded engine (the driver only), on the actor's own weights where they can be shared
-(shared_weights.py) and stay in place while it generates; with off-policy pipelining the embedded engine
-runs in a process of its own (rollout/process_engine.py)."""
+(shared_weights.py) and stay in place while it generates. On its own devices (rollout.colocate=false) the
+embedded engine runs in a process of its own (rollout/process_engine.py) on its own share of the cores, in
+the synchronous loop as with off-policy pipelining: it never lends them to the actor, as a GPU it owned
+would not be."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
@@ -27,6 +31,8 @@ class EngineSetup:
     """SGLang: the servers this rank started (a node leader's), to stop at the end."""
     weights: Any = None
     """SGLang: the weight-update channels of the phases' sync."""
+    threads: int | None = None
+    """The embedded engine's own torch threads when it runs in a process of its own (the actor has the rest)."""
 
 
 def make_engine(cfg: Config, actor: Actor, report: StartupReport) -> EngineSetup:
@@ -37,8 +43,10 @@ def make_engine(cfg: Config, actor: Actor, report: StartupReport) -> EngineSetup
         return EngineSetup(servers.engine, servers=servers.owned, weights=servers.weights)
     if not parallel.is_main():  # the weights are shared in a one-process job only: every rank resolves pi_old alike
         return EngineSetup(None)
-    engine, shared = _embedded_engine(actor, cfg.model, report, _why_own_weights(cfg),
-                                      pipelined=cfg.rollout.async_steps > 0)
+    if not cfg.rollout.colocate:
+        engine, threads = _own_process_engine(cfg.model, report, _why_own_weights(cfg))
+        return EngineSetup(engine, threads=threads)
+    engine, shared = _embedded_engine(actor, cfg.model, report, _why_own_weights(cfg))
     return EngineSetup(engine, on_actor_weights=shared)
 
 
@@ -56,30 +64,38 @@ def _why_own_weights(cfg: Config) -> str | None:
     """Why the embedded engine must not generate on the actor's parameters even where it could."""
     if cfg.rollout.async_steps:
         return "the engine generates while the actor trains (rollout.async_steps)"
+    if not cfg.rollout.colocate:
+        return "the engine is on its own devices (rollout.colocate=false)"
     if cfg.rollout.colocate and cfg.actor.offload_when_idle:
         return "the actor offloads while it generates: actor.offload_when_idle=false shares the actor's weights"
     return None
 
 
+def _own_process_engine(model_cfg: ModelConfig, report: StartupReport, why_own: str) -> tuple[RolloutEngine, int]:
+    """The embedded engine from hf_dir in a process of its own (not a thread: it would share the interpreter
+    lock with the actor) with its share of the torch threads, which this process gives up; and that share."""
+    from megatron_dapo.rollout.process_engine import ProcessEngine
+
+    total = torch.get_num_threads()
+    threads = engine_threads(total)
+    torch.set_num_threads(max(1, total - threads))  # the actor's share
+    dtype = param_dtype(model_cfg)
+    engine = ProcessEngine(model_cfg.hf_dir, threads=threads, device=parallel.device(), dtype=dtype)
+    report.engine = (f"embedded, in its own process ({threads} thread{'s' if threads > 1 else ''}, pid {engine.pid}; "
+                     f"the actor keeps {max(1, total - threads)}) with its own {str(dtype).removeprefix('torch.')} "
+                     f"copy of the weights (from {model_cfg.hf_dir}; {why_own})")
+    return engine, threads
+
+
 def _embedded_engine(actor: Actor, model_cfg: ModelConfig, report: StartupReport,
-                     why_own: str | None, pipelined: bool = False) -> tuple[RolloutEngine, bool]:
+                     why_own: str | None) -> tuple[RolloutEngine, bool]:
     """On the actor's own weights when they can be shared (shared_weights.py) and stay in place while the
-    engine generates (`why_own` is None), else from hf_dir; and whether it is on the actor's weights.
-    `pipelined` (rollout.async_steps): from hf_dir in a process of its own (rollout/process_engine.py) with
-    the engine's share of the torch threads (the pipeline gives the actor the rest)."""
+    engine generates (`why_own` is None), else from hf_dir; and whether it is on the actor's weights."""
     from megatron_dapo.loop.shared_weights import can_share, model_on_actor_weights
     from megatron_dapo.rollout.embedded import EmbeddedEngine
 
     hf_dir, dtype = model_cfg.hf_dir, param_dtype(model_cfg)
     own = f"its own {str(dtype).removeprefix('torch.')} copy of the weights (from {hf_dir}"
-    if pipelined:  # generating beside the actor: a process of its own, not a thread that shares the GIL
-        from megatron_dapo.rollout.process_engine import ProcessEngine
-
-        threads = engine_threads()
-        engine = ProcessEngine(hf_dir, threads=threads, device=parallel.device(), dtype=dtype)
-        report.engine = f"embedded, in its own process ({threads} thread{'s' if threads > 1 else ''}, pid " \
-                        f"{engine.pid}) with {own}; {why_own})"
-        return engine, False
     if not can_share(actor, dtype):
         report.engine = f"embedded, {own})"
         return EmbeddedEngine(hf_dir, device=parallel.device(), dtype=dtype), False

@@ -16,6 +16,10 @@ from megatron_dapo.tiny.models import save_tiny_model
 QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 VOCAB_SIZE = 512
+SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192,
+                "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
+"""SmolLM2-135M's architecture (Llama, tied embeddings): a real-size model for the CPU benchmarks."""
 """Trained BPE size (specials included); a model for it needs vocab_size >= this."""
 
 QWEN25_CHAT_TEMPLATE = (
@@ -72,3 +76,9 @@ def save_chat_model(path: str | Path, family: str = "qwen2", *, seed: int = 0, *
     path = save_tiny_model(path, family, seed=seed, **ids, **overrides)
     tok.save_pretrained(path)
     return path
+
+
+def save_smollm2_shaped(path: str | Path, *, layers: int = 30, vocab: int = 49152, seed: int = 0) -> Path:
+    """SmolLM2-135M's architecture (`layers` / `vocab` shrink it), random weights, with the chat tokenizer."""
+    return save_chat_model(path, "llama", seed=seed, **{**SMOLLM2_135M, "num_hidden_layers": layers,
+                                                         "vocab_size": vocab})

@@ -10,11 +10,11 @@ same batch. Samples are stamped with the policy version that generated them (`Sa
 with a sample older than `async_steps` versions when it is trained on (a partial rollout's carried group)
 is dropped and counted.
 
-The producer is one background thread with its own torch thread budget (half of the process's,
-`engine_threads`), so on a CPU the engine's and the actor's kernels run on different cores; the engine has
-its own weights (never the actor's, which change under it). The embedded engine then runs in a process of
-its own (rollout/process_engine.py, with that thread budget): a thread would take turns with the actor for
-the interpreter lock, so the producer thread only drives it (and scores).
+The producer is one background thread. The engine has its own weights (never the actor's, which change
+under it) and its own cores: the embedded engine runs in a process of its own with its share of the torch
+threads (loop/engines.py; a thread would take turns with the actor for the interpreter lock), so the
+producer thread only drives it and scores; with SGLang the producer thread takes half of the process's
+torch threads (`engine_threads`) and the actor keeps the rest.
 """
 
 from __future__ import annotations
@@ -39,11 +39,15 @@ class RolloutPipeline:
     and measures how the two sides overlapped within each step (`step_scalars`)."""
 
     def __init__(self, threads: int | None = None) -> None:
+        """`threads`: the producer thread's torch threads; None = half of this process's, the actor (this
+        thread) keeping the rest."""
         self.produce: Callable[[int], StepRollout] | None = None
         """step -> that step's rollout on the engine's current weights (set by the training loop)."""
-        total = torch.get_num_threads()
-        self.threads = threads or engine_threads(total)
-        torch.set_num_threads(max(1, total - self.threads))  # the actor's share (this thread)
+        if threads is None:
+            total = torch.get_num_threads()
+            threads = engine_threads(total)
+            torch.set_num_threads(max(1, total - threads))  # the actor's share (this thread)
+        self.threads = threads
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-producer")
         self._pending: tuple[int, Future] | None = None
         self._ready: tuple[int, StepRollout] | None = None
