@@ -149,6 +149,38 @@ def test_abort_from_another_thread_stops_a_running_generate(hf_dir):
         engine.shutdown()
 
 
+def test_resident_bytes_answers_while_a_generation_runs(hf_dir):
+    """The phases' ledger asks at the actor's train phase, while the pipeline's producer generates the next
+    batch: the answer comes on the control channel, not after the generation."""
+    engine = ProcessEngine(hf_dir, threads=1)
+    done, answer = threading.Event(), []
+
+    def run() -> None:
+        try:
+            engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=100_000, ignore_eos=True, seed=0))
+        except GenerationAborted:
+            pass
+        finally:
+            done.set()
+
+    try:
+        threading.Thread(target=run, daemon=True).start()
+        deadline = time.monotonic() + 60
+        while not engine._cmd_lock.locked() and time.monotonic() < deadline:  # the generation holds the channel
+            time.sleep(0.01)
+        asker = threading.Thread(target=lambda: answer.append(engine.resident_bytes()), daemon=True)
+        asker.start()
+        asker.join(timeout=60)
+        assert answer and not done.is_set(), "resident_bytes waited for the generation"
+        local = EmbeddedEngine(hf_dir)
+        assert answer[0] == local.resident_bytes() and answer[0]["weights"] > 0
+        local.shutdown()
+    finally:
+        while not done.wait(0.2):
+            engine.abort()
+        engine.shutdown()
+
+
 def test_a_dead_child_is_an_error_naming_it_not_a_hang(hf_dir):
     engine = ProcessEngine(hf_dir, threads=1)
     try:

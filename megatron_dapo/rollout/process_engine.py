@@ -204,9 +204,11 @@ class ProcessEngine(RolloutEngine):
         self._call("wake", None if tags is None else list(tags))
 
     def resident_bytes(self) -> dict[str, int]:
+        """On the control channel: the phases' ledger asks while a generation holds the request channel (the
+        actor's train phase begins while the engine generates the next batch), and must not wait for it."""
         if self._closed or self._broken:
             return {"weights": 0, "kv_cache": 0}
-        return self._call("resident_bytes")[0]
+        return self._control("resident_bytes")[0]
 
     def score(self, token_ids: Sequence[int], start: int) -> list[list[float]]:
         return self._call("score", list(token_ids), start, timeout=self.request_timeout_s)[0]

@@ -86,7 +86,7 @@ class Worker:
                 self.buffer = buffer
             self.engine.update_weights(self._views(entries))
             return None, None
-        if op in ("generate", "sleep", "wake", "score", "resident_bytes", "health"):
+        if op in ("generate", "sleep", "wake", "score", "health"):
             return getattr(self.engine, op)(*args), None
         raise ValueError(f"unknown engine request {op!r}")
 
@@ -100,7 +100,7 @@ class Worker:
             yield name, self.buffer[offset:offset + nbytes].view(dtype).view(shape)
 
     def control(self, ctl: Connection) -> None:
-        """The abort thread: engine or stream aborts while the main thread may be busy."""
+        """The control thread: engine or stream aborts, and the resident bytes, while the main thread may be busy."""
         while True:
             try:
                 op, args = ctl.recv()
@@ -111,6 +111,8 @@ class Worker:
                     self.stopping = self.stopping or op == "shutdown"
                     getattr(self.engine, op)()
                     ctl.send(("ok", None, None))
+                elif op == "resident_bytes":  # sizes of tensors: safe beside a running generation
+                    ctl.send(("ok", self.engine.resident_bytes(), None))
                 else:  # stream_abort
                     stream = self.streams.get(args[0])
                     report = stream.abort() if stream is not None else None
