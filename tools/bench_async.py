@@ -8,7 +8,8 @@ both runs, as on its own GPUs: the embedded engine runs in a process of its own 
 while the other works. Bases: tiny (0.6M parameters), steps (the study's longer responses; a 15-minute
 build) and smollm2 (SmolLM2-135M's architecture with --smollm2-layers layers, random weights, the
 SmolLM2 recipe on built-in arithmetic prompts: a size where the kernels, not Python, take the time).
-Steps after the first are compared (the first has nothing to overlap with). The limit of overlapping two
+Steps 2 to --steps - 1 are compared: the pipelined run's first step has nothing to overlap with and its last
+nothing to produce (the engine idles through it). The limit of overlapping two
 phases of times g (generation + reward) and t (the rest of the step) is max(g, t) / (g + t), from the
 synchronous run's own phase times.
 
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bases", nargs="+", default=["tiny", "steps"], choices=list(BASES))
     p.add_argument("--engines", nargs="+", default=["embedded"], choices=["embedded", "sglang"])
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=6, help="steps a run (2 .. steps - 1 compared; at least 3)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides of both runs")
     p.add_argument("--smollm2-layers", type=int, default=4, help="decoder layers of the smollm2 base (SmolLM2: 30)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the trainer process (this machine: 2)")
@@ -64,7 +65,7 @@ def build_base(name: str, root: Path, smollm2_layers: int) -> Path:
 
 
 def run(base: Path, name: str, engine: str, async_steps: int, args: argparse.Namespace, root: Path) -> dict:
-    """One training run; its per-step scalars (TensorBoard), steps 2.. ."""
+    """One training run; its per-step scalars (TensorBoard), steps 2 .. steps - 1."""
     from megatron_dapo.metrics import read_scalars
 
     run_name = f"{name}_{engine}_async{async_steps}"
@@ -77,7 +78,7 @@ def run(base: Path, name: str, engine: str, async_steps: int, args: argparse.Nam
     if r.returncode:
         raise RuntimeError(f"{run_name} failed:\n{r.stderr[-4000:]}")
     tb = read_scalars(root / "tb" / run_name)
-    return {tag: [v for step, v in sorted(values.items()) if step >= 2] for tag, values in tb.items()}
+    return {tag: [v for step, v in sorted(values.items()) if 2 <= step < args.steps] for tag, values in tb.items()}
 
 
 def median(tb: dict, tag: str) -> float:
@@ -102,6 +103,8 @@ def compare(name: str, engine: str, sync: dict, pipe: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.steps < 3:
+        raise SystemExit(f"--steps {args.steps}: at least 3 (steps 2 .. steps - 1 are compared)")
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
         root = Path(tmp)
         for name in args.bases:
