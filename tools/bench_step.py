@@ -121,8 +121,6 @@ def build_model(path: Path, cfg: dict) -> int:
 
 
 def train_command(args: argparse.Namespace, model: Path, root: Path, overrides: tuple[str, ...] = ()) -> list[str]:
-    if args.prompts % args.mini_batches:
-        raise SystemExit(f"--mini-batches {args.mini_batches} does not divide --prompts {args.prompts}")
     cache = max(1, args.max_response_len // 4)
     return ["-m", "megatron_dapo.train", "--config", RECIPE, f"model.hf_dir={model}",
             "data.train_path=builtin:arithmetic?n=256&seed=0&style=instruct", "data.val_path=null",
@@ -171,28 +169,28 @@ def step_rows(tb: dict, cfg: dict) -> list[dict]:
     return rows
 
 
-def summarise(rows: list[dict], peak: float) -> dict:
+def summarise(rows: list[dict]) -> dict:
     later = rows[1:] or rows
     out = {k: statistics.median(r[k] for r in later) for k in rows[0] if k != "step"}
     out["steps_in_median"] = [r["step"] for r in later]
-    out["ratio"] = out["update_flop_per_s"] / peak if peak else 0.0
     return out
 
 
-def measure(args: argparse.Namespace, cfg: dict, model: Path, root: Path, overrides: tuple[str, ...],
-            peak: float) -> dict:
+def measure(args: argparse.Namespace, cfg: dict, model: Path, root: Path, overrides: tuple[str, ...]) -> dict:
     """One training run: its rows, their median, its wall and CPU seconds."""
     root.mkdir(parents=True, exist_ok=True)
     tb, wall, cpu = run_training(args, model, root, overrides)
     rows = step_rows(tb, cfg)
     return {"overrides": [*overrides, *args.set], "train_wall_s": wall, "train_cpu_s": cpu,
             "cores_used": cpu / wall, "overhead_s": wall - sum(r["step_s"] for r in rows), "per_step": rows,
-            "summary": summarise(rows, peak),
+            "summary": summarise(rows),
             "command": " ".join(["python", *train_command(args, Path("<model>"), Path("<tmp>"), overrides)])}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.prompts % args.mini_batches:
+        raise SystemExit(f"--mini-batches {args.mini_batches} does not divide --prompts {args.prompts}")
     cfg = model_config(args.layers, args.vocab)
     load_before = os.getloadavg()
     peak_before = peak_flop_per_s(cfg, args.peak_tokens, args.threads)
@@ -202,12 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         params = build_model(model, cfg)
         build_s = time.perf_counter() - t0
-        before = measure(args, cfg, model, root / "before", BEFORE, peak_before) if args.compare else None
-        run = measure(args, cfg, model, root / "run", AFTER if args.compare else (), peak_before)
+        before = measure(args, cfg, model, root / "before", BEFORE) if args.compare else None
+        run = measure(args, cfg, model, root / "run", AFTER if args.compare else ())
     peaks = [peak_before, peak_flop_per_s(cfg, args.peak_tokens, args.threads)]
     peak = max(peaks)
     for r in (run, before):
-        if r:
+        if r:  # the update against the machine's peak (the higher of its two measurements)
             r["summary"]["ratio"] = r["summary"]["update_flop_per_s"] / peak
     out = {"model": "SmolLM2-135M architecture (random weights)", "layers": args.layers, "vocab": args.vocab,
            "params": params, "matmul_params": matmul_params(cfg), "prompts": args.prompts,

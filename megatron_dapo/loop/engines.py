@@ -66,7 +66,7 @@ def _why_own_weights(cfg: Config) -> str | None:
         return "the engine generates while the actor trains (rollout.async_steps)"
     if not cfg.rollout.colocate:
         return "the engine is on its own devices (rollout.colocate=false)"
-    if cfg.rollout.colocate and cfg.actor.offload_when_idle:
+    if cfg.actor.offload_when_idle:
         return "the actor offloads while it generates: actor.offload_when_idle=false shares the actor's weights"
     return None
 
@@ -78,11 +78,12 @@ def _own_process_engine(model_cfg: ModelConfig, report: StartupReport, why_own: 
 
     total = torch.get_num_threads()
     threads = engine_threads(total)
-    torch.set_num_threads(max(1, total - threads))  # the actor's share
+    actor_threads = max(1, total - threads)
+    torch.set_num_threads(actor_threads)
     dtype = param_dtype(model_cfg)
     engine = ProcessEngine(model_cfg.hf_dir, threads=threads, device=parallel.device(), dtype=dtype)
     report.engine = (f"embedded, in its own process ({threads} thread{'s' if threads > 1 else ''}, pid {engine.pid}; "
-                     f"the actor keeps {max(1, total - threads)}) with its own {str(dtype).removeprefix('torch.')} "
+                     f"the actor keeps {actor_threads}) with its own {str(dtype).removeprefix('torch.')} "
                      f"copy of the weights (from {model_cfg.hf_dir}; {why_own})")
     return engine, threads
 

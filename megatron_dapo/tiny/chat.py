@@ -16,11 +16,11 @@ from megatron_dapo.tiny.models import save_tiny_model
 QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 VOCAB_SIZE = 512
+"""Trained BPE size (specials included); a model for it needs vocab_size >= this."""
 SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
                 "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192,
                 "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
 """SmolLM2-135M's architecture (Llama, tied embeddings): a real-size model for the CPU benchmarks."""
-"""Trained BPE size (specials included); a model for it needs vocab_size >= this."""
 
 QWEN25_CHAT_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}\n"
