@@ -31,6 +31,7 @@ from megatron_dapo.loop.preempt import Preempted, StartInterrupted, StopSignals
 from megatron_dapo.loop.startup import pace_line
 from megatron_dapo.loop.state import RunState
 from megatron_dapo.loop.weight_probe import WeightSyncError
+from megatron_dapo.loop.weight_sync import SyncStats
 from megatron_dapo.metrics import progress
 from megatron_dapo.rollout.base import NonFiniteLogitsError
 from megatron_dapo.rollout.step.result import StepRollout
@@ -68,6 +69,7 @@ def start_run(cfg: Config, stop: StopSignals) -> RunState:
         run = build_run(cfg)
         if run.pipeline is not None:
             run.pipeline.produce = lambda step: collect(run, step)
+            run.pipeline.apply_weights = run.phases.take_snapshot
         stop.started()
         return run
     except (StartInterrupted, Exception) as e:
@@ -136,6 +138,8 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     if batch is None:
         log.warning("step %d: no informative group to train on; skipping the update", step)
         batch_boundary(run)
+        if run.pipeline is not None:  # the weights after this step are those after the last
+            run.pipeline.publish(step, None)
         return {**out, **step_timings(run, t_step, 0, None)}
     run.phases.train()
     with timer("old_logprob"):
@@ -149,7 +153,7 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
             raise NonFiniteWeightsError(f"step {step}: {e}") from None
     batch_boundary(run)
     with timer("weight_sync"):
-        sync = run.phases.sync(step)
+        sync = sync_engine(run, step)
     out.update(monitors.update_scalars(update, monitors.token_means(batch, entropy)))
     out.update(run.phases.ledger)
     return {**out, **step_timings(run, t_step, int(batch.lengths.sum()), sync.scalars())}
@@ -171,21 +175,34 @@ def step_timings(run: RunState, t_step: float, tokens: int, sync: dict[str, floa
 
 def next_rollout(run: RunState, step: int) -> StepRollout:
     """The driver's batch of step `step`: collected now, or (off-policy pipelining) the one generated while
-    the last step trained, the next one started at once (the engine still holds the weights after step - 1)."""
+    earlier steps trained, the next ones (up to rollout.async_steps ahead) started at once."""
     if run.pipeline is None:
         with rollout_logits_checked(run, after_step=step - 1):
             return collect(run, step)
     with rollout_logits_checked(run, after_step=run.phases.step):
         rollout = run.pipeline.take(step)
-    if step < run.cfg.train.steps:
-        run.pipeline.start(step + 1)
+    run.pipeline.fill(step, run.cfg.train.steps)
     return rollout
 
 
-def batch_boundary(run: RunState) -> None:
-    """Off-policy pipelining: wait for the next batch (generated from the weights the engine still holds)
-    before those weights change. Nothing to do in the synchronous loop."""
+def sync_engine(run: RunState, step: int) -> SyncStats:
+    """The weights after `step` for the engine: synced at once (the synchronous loop; async_steps=1, at the
+    batch boundary), or copied for the producer to hand over when a batch is due them (async_steps >= 2)."""
+    k = run.cfg.rollout.async_steps
+    if k >= 2:  # batch step + 1 + k is the first that is due these weights
+        stats, snapshot = run.phases.snapshot(step, due=step + 1 + k <= run.cfg.train.steps)
+    else:
+        stats, snapshot = run.phases.sync(step), None
     if run.pipeline is not None:
+        run.pipeline.publish(step, snapshot)
+    return stats
+
+
+def batch_boundary(run: RunState) -> None:
+    """async_steps=1: wait for the next batch (generated from the weights the engine still holds) before
+    those weights change. Nothing to do in the synchronous loop, nor with async_steps >= 2 (the engine takes
+    snapshots)."""
+    if run.pipeline is not None and run.pipeline.depth == 1:
         with rollout_logits_checked(run, after_step=run.phases.step):
             with run.timer("rollout_wait"):
                 run.pipeline.wait()
@@ -194,7 +211,8 @@ def batch_boundary(run: RunState) -> None:
 def collect(run: RunState, step: int) -> StepRollout:
     """The step's groups (driver only): streamed (`rollout.streaming`) or in synchronous rounds; both stamp
     the samples with the engine's policy version (its weights are those after step `version`)."""
-    cfg, version = run.cfg, run.phases.step
+    cfg = run.cfg
+    version = run.pipeline.version if run.pipeline is not None else run.phases.step
     if cfg.rollout.streaming:
         plan = StreamPlan.from_config(cfg.algo, cfg.train.prompt_batch_size, cfg.rollout.max_inflight_groups,
                                       cfg.rollout.partial_rollout, cfg.rollout.max_carry_steps)
@@ -211,7 +229,9 @@ def collect(run: RunState, step: int) -> StepRollout:
 
 
 def validate_policy(run: RunState, step: int) -> dict[str, float]:
-    """avg@k, pass@k, maj@k on the validation prompts (driver only; other ranks return nothing)."""
+    """avg@k, pass@k, maj@k on the validation prompts (driver only; other ranks return nothing), on the
+    weights after `step` (val/policy_version says so with off-policy pipelining)."""
+    settle_engine(run, step)
     run.phases.generate()
     with rollout_logits_checked(run, after_step=step):
         result = run_validation(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids, run.scorer) \
@@ -220,7 +240,21 @@ def validate_policy(run: RunState, step: int) -> dict[str, float]:
     if result is None:
         return {}
     run.write_samples(step, "val", result.groups)
-    return {**result.val_scalars(), "timing/eval_s": result.seconds}
+    version = {"val/policy_version": float(run.pipeline.version)} if run.pipeline is not None else {}
+    return {**result.val_scalars(), "timing/eval_s": result.seconds, **version}
+
+
+def settle_engine(run: RunState, step: int) -> None:
+    """async_steps >= 2, before an evaluation after a step: the batches in production finish, then the engine
+    takes the weights after `step` directly (collective), as in the synchronous loop. The next batch to start
+    (step + 1 + k) is due exactly these weights, so the schedule is unchanged."""
+    if run.cfg.rollout.async_steps < 2 or step <= run.start_step:
+        return
+    if run.pipeline is not None:
+        run.pipeline.drain()
+    run.phases.sync(step)
+    if run.pipeline is not None:
+        run.pipeline.synced(step)
 
 
 @contextmanager

@@ -8,8 +8,9 @@ both runs, as on its own GPUs: the embedded engine runs in a process of its own 
 while the other works. Bases: tiny (0.6M parameters), steps (the study's longer responses; a 15-minute
 build) and smollm2 (SmolLM2-135M's architecture with --smollm2-layers layers, random weights, the
 SmolLM2 recipe on built-in arithmetic prompts: a size where the kernels, not Python, take the time).
-Steps 2 to --steps - 1 are compared: the pipelined run's first step has nothing to overlap with and its last
-nothing to produce (the engine idles through it). The limit of overlapping two
+Steps 2 to --steps - (the largest K) are compared: a pipelined run's first step has nothing to overlap with, its last
+K nothing left to produce (the engine idles through them). --async-steps K [K ...] runs a pipelined run for
+each K against the one synchronous run. The limit of overlapping two
 phases of times g (generation + reward) and t (the rest of the step) is max(g, t) / (g + t), from the
 synchronous run's own phase times.
 
@@ -48,9 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bases", nargs="+", default=["tiny", "steps"], choices=list(BASES))
     p.add_argument("--engines", nargs="+", default=["embedded"], choices=["embedded", "sglang"])
-    p.add_argument("--steps", type=int, default=6, help="steps a run (2 .. steps - 1 compared; at least 3)")
+    p.add_argument("--steps", type=int, default=6,
+                   help="steps a run (2 .. steps - max(--async-steps) compared; at least 2 + that)")
+    p.add_argument("--async-steps", nargs="+", type=int, default=[1], metavar="K",
+                   help="the pipelined runs' rollout.async_steps, each compared with the synchronous run")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides of both runs")
     p.add_argument("--smollm2-layers", type=int, default=4, help="decoder layers of the smollm2 base (SmolLM2: 30)")
+    p.add_argument("--bases-dir", type=Path, default=None,
+                   help="build the bases here, or reuse the ones built here before (default: a temporary folder)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the trainer process (this machine: 2)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     return p
@@ -78,18 +84,19 @@ def run(base: Path, name: str, engine: str, async_steps: int, args: argparse.Nam
     if r.returncode:
         raise RuntimeError(f"{run_name} failed:\n{r.stderr[-4000:]}")
     tb = read_scalars(root / "tb" / run_name)
-    return {tag: [v for step, v in sorted(values.items()) if 2 <= step < args.steps] for tag, values in tb.items()}
+    last = args.steps - max(args.async_steps)  # the last steps of a k-deep run have nothing left to produce
+    return {tag: [v for step, v in sorted(values.items()) if 2 <= step <= last] for tag, values in tb.items()}
 
 
 def median(tb: dict, tag: str) -> float:
     return statistics.median(tb[tag]) if tb.get(tag) else 0.0
 
 
-def compare(name: str, engine: str, sync: dict, pipe: dict) -> dict:
+def compare(name: str, engine: str, k: int, sync: dict, pipe: dict) -> dict:
     gen = median(sync, "timing/rollout_s")  # generation and scoring (timing/reward_s is the scoring part)
     wall_sync, wall_async = median(sync, "timing/step_s"), median(pipe, "timing/step_s")
     train = max(wall_sync - gen, 0.0)
-    return {"base": name, "engine": engine, "sync_step_s": wall_sync, "async_step_s": wall_async,
+    return {"base": name, "engine": engine, "async_steps": k, "sync_step_s": wall_sync, "async_step_s": wall_async,
             "ratio": wall_async / wall_sync if wall_sync else float("nan"),
             "limit": max(gen, train) / (gen + train) if gen + train else float("nan"),
             "sync_generate_s": gen, "sync_train_s": train,
@@ -103,25 +110,30 @@ def compare(name: str, engine: str, sync: dict, pipe: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.steps < 3:
-        raise SystemExit(f"--steps {args.steps}: at least 3 (steps 2 .. steps - 1 are compared)")
+    deepest = max(args.async_steps)
+    if min(args.async_steps) < 1 or args.steps < 2 + deepest:
+        raise SystemExit(f"--steps {args.steps} --async-steps {args.async_steps}: each K at least 1, --steps at least "
+                         f"{2 + max(deepest, 1)} (steps 2 .. steps - max K are compared)")
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
         root = Path(tmp)
         for name in args.bases:
-            base = build_base(name, root, args.smollm2_layers)
+            base = build_base(name, args.bases_dir or root, args.smollm2_layers)
             for engine in args.engines:
                 sync = run(base, name, engine, 0, args, root)
-                pipe = run(base, name, engine, 1, args, root)
-                row = compare(name, engine, sync, pipe)
-                if args.json:
-                    print(json.dumps(row), flush=True)
-                else:
-                    print(f"{name:6s} {engine:9s} sync {row['sync_step_s']:.2f} s/step (generate "
-                          f"{row['sync_generate_s']:.2f} + train {row['sync_train_s']:.2f}), async "
-                          f"{row['async_step_s']:.2f} s/step: x{row['ratio']:.2f} (limit x{row['limit']:.2f}); "
-                          f"idle actor {row['async_actor_idle_s']:.2f} s, engine {row['async_engine_idle_s']:.2f} s; "
-                          f"tokens/s {row['sync_tokens_per_s']:.0f} -> {row['async_tokens_per_s']:.0f}", flush=True)
+                for k in args.async_steps:
+                    report(compare(name, engine, k, sync, run(base, name, engine, k, args, root)), args.json)
     return 0
+
+
+def report(row: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(row), flush=True)
+    else:
+        print(f"{row['base']:6s} {row['engine']:9s} k={row['async_steps']} sync {row['sync_step_s']:.2f} s/step (generate "
+              f"{row['sync_generate_s']:.2f} + train {row['sync_train_s']:.2f}), async "
+              f"{row['async_step_s']:.2f} s/step: x{row['ratio']:.2f} (limit x{row['limit']:.2f}); "
+              f"idle actor {row['async_actor_idle_s']:.2f} s, engine {row['async_engine_idle_s']:.2f} s; "
+              f"tokens/s {row['sync_tokens_per_s']:.0f} -> {row['async_tokens_per_s']:.0f}", flush=True)
 
 
 if __name__ == "__main__":

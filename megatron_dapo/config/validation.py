@@ -21,7 +21,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     """Range and cross-field checks; raises ConfigError listing every problem found, on one line."""
     problems = _problems(cfg)
     if world_size is not None:  # the layout: against the world size and the model's config.json
-        problems += _layout_problems(cfg, world_size) + model_problems(cfg)
+        problems += _layout_problems(cfg, world_size) + model_problems(cfg) + _lagged_problems(cfg, world_size)
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems), tuple(problems))
 
@@ -100,6 +100,16 @@ def _async_problems(cfg: Config) -> list[str]:
         p.append(f"rollout.async_steps={r.async_steps} with algo.old_logprob_source=rollout: the batch comes "
                  "from an older policy, pi_old must be the actor's recompute (old_logprob_source=recompute)")
     return p
+
+
+def _lagged_problems(cfg: Config, world_size: int) -> list[str]:
+    """async_steps >= 2 hands each step's weights to the engine later, from the producer thread of the one
+    rank that feeds it: the embedded engine (the driver's), or SGLang servers fed by a one-rank job."""
+    r = cfg.rollout
+    if r.async_steps < 2 or r.engine != "sglang" or world_size == 1:
+        return []
+    return [(f"rollout.async_steps={r.async_steps} with SGLang needs a one-rank job (every rank of {world_size} "
+             "takes part in updating the servers, at the batch boundary only): use rollout.async_steps=1")]
 
 
 def _correction_problems(a: AlgoConfig, correction: str) -> list[str]:

@@ -124,7 +124,7 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
         alarms=Alarms(cfg.logging, cfg.rollout.max_response_len),
         ckpt_root=folder, hf_dir=hf_dir, scorer=scorer, old_logprobs=old,
         servers=engines.servers,
-        lock=lock, pipeline=RolloutPipeline(engines.threads) if driver and cfg.rollout.async_steps else None)
+        lock=lock, pipeline=RolloutPipeline(engines.threads, cfg.rollout.async_steps) if driver and cfg.rollout.async_steps else None)
 
 
 def _train_iterator(cfg: Config, tokenizer: Any, fmt: PromptFormat, report: StartupReport) -> PromptIterator:

@@ -19,10 +19,11 @@ import torch
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
 from megatron_dapo.loop.colocation import ENGINE_STATE, Phase, phase_model
-from megatron_dapo.loop.weight_probe import WeightProbe
+from megatron_dapo.loop.weight_probe import WeightProbe, WeightSyncError
 from megatron_dapo.loop.weight_sync import SyncStats, sync_weights
 from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.rollout.sglang.updates import NodeWeightSync
+from megatron_dapo.rollout.step.pipeline import WeightSnapshot
 
 
 @dataclass
@@ -84,6 +85,38 @@ class Phases:
         if self.probe is not None:
             self.ledger["rollout/weight_sync_probe_absdiff"] = self.probe.check(self.engine, expected, step)
         return stats
+
+    def snapshot(self, step: int, due: bool = True) -> tuple[SyncStats, WeightSnapshot | None]:
+        """rollout.async_steps >= 2 (the engine on its own devices, maybe busy with an older batch): the weights
+        after `step` streamed as for a sync (collective over all ranks) into host memory on the rank that
+        feeds the engine, the probe scored by the actor; the producer hands them over later (`take_snapshot`).
+        `due`: a later batch is due these weights (else nothing is copied; the same on every rank)."""
+        self.step = step
+        if not due:
+            return SyncStats(), None
+        self._enter(self.model["sync"])
+        feeds = self.engine is not None or self.weights is not None
+        snap = WeightSnapshot(step) if feeds else None
+        stats = sync_weights(self.actor.module, self.actor.spec, snap)
+        expected = self.probe.actor_logprobs(self.actor) if self.probe is not None else None
+        if snap is not None:
+            snap.expected = expected
+        self._enter(self.model["generate"])
+        return stats, snap
+
+    def take_snapshot(self, snap: WeightSnapshot) -> None:
+        """The producer thread (one rank feeds the engine): the engine takes a snapshot's weights; the probe
+        checked on this rank alone."""
+        if self.weights is not None:
+            error = self.weights.update(iter(snap.tensors)).error
+            if error is not None:
+                raise WeightSyncError(f"the weights after step {snap.version} did not reach the servers: {error}")
+        else:
+            self.engine.update_weights(snap.tensors)
+        if snap.expected is not None:
+            diff = self.probe.engine_absdiff(self.engine, snap.expected)
+            self.probe.verdict(diff, snap.version)
+            self.ledger["rollout/weight_sync_probe_absdiff"] = diff
 
     def _enter(self, phase: Phase) -> None:
         moves_engine = self.colocate and self.engine is not None

@@ -88,7 +88,7 @@ def schedule_line(cfg: Config) -> str:
     if not cfg.rollout.async_steps:
         return f"synchronous (each step generates its own batch from the newest weights); {correction}"
     return (f"off-policy pipelining, rollout.async_steps={cfg.rollout.async_steps}: the next step's batch "
-            f"generates while the actor trains, from weights one update older; {correction}")
+            f"generates while the actor trains, from weights {cfg.rollout.async_steps} update(s) older; {correction}")
 
 
 def policy_loss_line(cfg: Config) -> str:

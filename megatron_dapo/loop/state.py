@@ -134,7 +134,7 @@ class RunState:
         self.samples_generated = int(trainer.get("samples_generated", 0))
         self.carry = PartialCarry.from_state(trainer.get("carry", []) if self.cfg.rollout.partial_rollout else [])
         if self.pipeline is not None:
-            self.pipeline.load_state_dict(trainer.get("pending"))
+            self.pipeline.load_state_dict(trainer.get("pending"), version=int(extra["step"]))
         self.start_step = self.last_saved = int(extra["step"])
         self.writer.load_history(self.start_step)
         if self.is_driver:

@@ -78,7 +78,10 @@ class WeightProbe:
                 value[0], cause = math.inf, f" (the engine failed to score it: {type(e).__name__}: {e})"
         if dist.is_initialized() and parallel.world_size() > 1:
             dist.broadcast(value, src=0)
-        diff = float(value)
+        return self.verdict(float(value), step, cause)
+
+    def verdict(self, diff: float, step: int, cause: str = "") -> float:
+        """`diff`, or WeightSyncError above the tolerance."""
         if not diff <= self.tolerance:
             raise WeightSyncError(
                 f"the rollout engine's weights differ from the actor's after the sync at step {step}: mean "
