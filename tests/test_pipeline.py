@@ -362,7 +362,9 @@ def test_sglang_two_ahead_takes_each_snapshot_between_batches(sglang_python, bas
     cmd = train_cmd(base_dir, tmp_path, "sg2", "train.steps=4", "checkpoint.save_every=0", "rollout.engine=sglang",
                     f"rollout.sglang.base_port={server_ports()}", "rollout.colocate=false", "rollout.async_steps=2",
                     "rollout.weight_sync_probe=true")
-    run_train(cmd, {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python}, timeout=1400)
+    r = run_train(cmd, {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python, "OMP_NUM_THREADS": "2"},
+                  timeout=1400)
+    assert "1 thread(s) each, the actor keeps 1: the engine is on its own devices" in r.stderr  # own cores
     tb = read_scalars(tmp_path / "tb" / "sg2")
     assert tb["rollout/staleness_max"] == {1: 0.0, 2: 1.0, 3: 2.0, 4: 2.0}
     assert max(tb["rollout/weight_sync_probe_absdiff"].values()) < 1e-4

@@ -37,6 +37,13 @@ def test_server_environment_drops_the_launchers_rank_variables(tmp_path, monkeyp
     assert env["PYTHONPATH"] == "/trainer"  # the server runs our own python here: its path stays
 
 
+def test_a_server_on_its_own_cpu_cores_gets_its_share_of_the_threads(tmp_path, monkeypatch):
+    """rollout.colocate=false on CPU: the server runs `threads` OMP threads, not the trainer's count (its idle
+    scheduler alone keeps a core busy; both sides on every core oversubscribe the machine)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert _server(tmp_path, monkeypatch, threads=1)._server_env()["OMP_NUM_THREADS"] == "1"
+
+
 @pytest.mark.parametrize("conf, kept", [
     ("expandable_segments:True", None),
     ("expandable_segments:True,max_split_size_mb:128", "max_split_size_mb:128"),

@@ -5,8 +5,8 @@ Both runs are `python -m megatron_dapo.train` on the same base, prompts, groups 
 `rollout.colocate=false`, in one session; torch gets --threads threads. The engine is on its own cores in
 both runs, as on its own GPUs: the embedded engine runs in a process of its own with half of the threads
 (rollout/process_engine.py), the actor keeps the other half, and in the synchronous run each side idles
-while the other works. Bases: tiny (0.6M parameters), steps (the study's longer responses; a 15-minute
-build) and smollm2 (SmolLM2-135M's architecture with --smollm2-layers layers, random weights, the
+while the other works. Bases: tiny (0.6M parameters), steps (the study's longer responses; built in up to 15
+minutes, kept with --bases-dir) and smollm2 (SmolLM2-135M's architecture with --smollm2-layers layers, random weights, the
 SmolLM2 recipe on built-in arithmetic prompts: a size where the kernels, not Python, take the time).
 Steps 2 to --steps - (the largest K) are compared: a pipelined run's first step has nothing to overlap with, its last
 K nothing left to produce (the engine idles through them). --async-steps K [K ...] runs a pipelined run for
@@ -104,6 +104,8 @@ def compare(name: str, engine: str, k: int, sync: dict, pipe: dict) -> dict:
             "async_actor_idle_s": median(pipe, "timing/actor_idle_s"),
             "async_engine_idle_s": median(pipe, "timing/engine_idle_s"),
             "async_overlap_s": median(pipe, "timing/overlap_s"),
+            "sync_weight_sync_s": median(sync, "timing/weight_sync_s"),
+            "async_weight_sync_s": median(pipe, "timing/weight_sync_s"),
             "sync_tokens_per_s": median(sync, "perf/tokens_per_s"),
             "async_tokens_per_s": median(pipe, "perf/tokens_per_s")}
 

@@ -38,9 +38,12 @@ class EngineSetup:
 def make_engine(cfg: Config, actor: Actor, report: StartupReport) -> EngineSetup:
     """Every rank (node leaders start SGLang servers); the start-up report says which engine and why."""
     if cfg.rollout.engine == "sglang":
-        servers = _start_sglang(cfg, cfg.model.hf_dir)
-        report.engine = f"sglang ({len(servers.owned)} server(s) started by this rank)"
-        return EngineSetup(servers.engine, servers=servers.owned, weights=servers.weights)
+        threads = _own_cpu_threads() if not cfg.rollout.colocate and not torch.cuda.is_available() else None
+        servers = _start_sglang(cfg, cfg.model.hf_dir, threads)
+        report.engine = f"sglang ({len(servers.owned)} server(s) started by this rank" + (
+            f"; {threads} thread(s) each, the actor keeps {torch.get_num_threads()}: the engine is on its own "
+            "devices (rollout.colocate=false))" if threads else ")")
+        return EngineSetup(servers.engine, servers=servers.owned, weights=servers.weights, threads=threads)
     if not parallel.is_main():  # the weights are shared in a one-process job only: every rank resolves pi_old alike
         return EngineSetup(None)
     if not cfg.rollout.colocate:
@@ -50,14 +53,24 @@ def make_engine(cfg: Config, actor: Actor, report: StartupReport) -> EngineSetup
     return EngineSetup(engine, on_actor_weights=shared)
 
 
-def _start_sglang(cfg: Config, hf_dir: str):
-    """Every rank: node leaders start SGLang servers; global rank 0 gets the engine over all of them."""
+def _own_cpu_threads() -> int:
+    """SGLang servers on their own CPU cores (rollout.colocate=false; their idle scheduler alone keeps a core
+    busy): their share of this process's torch threads, which this process gives up."""
+    total = torch.get_num_threads()
+    threads = engine_threads(total)
+    torch.set_num_threads(max(1, total - threads))
+    return threads
+
+
+def _start_sglang(cfg: Config, hf_dir: str, threads: int | None):
+    """Every rank: node leaders start SGLang servers (on CPU with `threads` OMP threads each, None = the
+    environment's); global rank 0 gets the engine over all of them."""
     from megatron_dapo.rollout.sglang.fleet import start_job_servers
 
     # the actor's dtype, not SGLang's "auto" (which serves a float32 checkpoint in float16)
     dtype = str(param_dtype(cfg.model)).removeprefix("torch.")
     return start_job_servers(hf_dir, cfg.rollout.sglang, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
-                             dtype=dtype, colocate=cfg.rollout.colocate)
+                             dtype=dtype, colocate=cfg.rollout.colocate, threads=threads)
 
 
 def _why_own_weights(cfg: Config) -> str | None:

@@ -89,10 +89,13 @@ class SGLangServer:
         wait: bool = True,
         attach: bool = False,
         api_key: str | None = None,
+        threads: int | None = None,
     ) -> None:
         self.cfg = cfg or SGLangConfig()
         self.api_key = api_key
         """Sent as `Authorization: Bearer` with every request; a started server gets `--api-key`."""
+        self.threads = threads
+        """On CPU: the server's OMP threads (its own cores); None = the environment's."""
         self.model_path = str(model_path)
         self.python = python or default_python()
         self.host = host
@@ -168,7 +171,10 @@ class SGLangServer:
 
     def _server_env(self) -> dict[str, str]:
         own = Path(self.python).resolve() == Path(sys.executable).resolve()
-        return server_environment(dict(os.environ), own_python=own, device=self.device)
+        env = server_environment(dict(os.environ), own_python=own, device=self.device)
+        if self.device == "cpu" and self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        return env
 
     def _check_python(self, colocate: bool) -> None:
         """On a GPU, refuse an SGLang install without its CUDA kernels (the CPU venv) in one line."""
