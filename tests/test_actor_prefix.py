@@ -186,8 +186,10 @@ def test_shared_prefix_equals_per_row(model_dirs, tmp_path, python_env, family, 
             valid = torch.arange(off["logprobs"].shape[1])[None, :] < lengths[:, None]
             for key in ("logprobs", "entropy"):  # pi_old
                 assert (on[key] - off[key])[valid].abs().max() < 2e-6, (case, key)
+            # the loss is a mean of advantage-weighted ratios of those logprobs: it inherits their 2e-6 (SDPA's
+            # blocks over a packed sequence round differently from those over a row)
             for key in ("loss", "tokens", "clipfrac_high", "clipfrac_low", "entropy", "approx_kl", "grad_norm"):
-                assert on["metrics"][key] == pytest.approx(off["metrics"][key], rel=1e-5, abs=1e-7), (case, key)
+                assert on["metrics"][key] == pytest.approx(off["metrics"][key], rel=1e-5, abs=1e-6), (case, key)
             assert on["grads"].keys() == off["grads"].keys()
             for name, g in off["grads"].items():
                 check_grad(on["grads"][name], g, moe=family.endswith("moe"), what=f"{case} {name}")

@@ -73,7 +73,8 @@ def test_compare_runs_the_same_work_as_before_issue_28(out):
     """Before: pi_old recomputed, every row's prompt computed, so the updates compute exactly the trained
     tokens. After: pi_old taken from the embedded engine (no pass) and each group's prompt computed once."""
     before = out["before"]
-    assert before["overrides"] == ["actor.shared_prefix=false", "algo.old_logprob_source=recompute"]
+    assert before["overrides"] == ["actor.shared_prefix=false", "algo.old_logprob_source=recompute",
+                                   "model.local_attention=megatron"]
     assert out["overrides"] == ["algo.old_logprob_source=auto"]
     for b, a in zip(before["per_step"], out["per_step"], strict=True):
         assert a["old_logprob_s"] < b["old_logprob_s"] / 10  # no pass after: the engine's logprobs are pi_old

@@ -12,8 +12,8 @@ MLP 1536, 30 layers, 9 heads / 3 KV heads, head 64, vocabulary 49152, tied embed
 (examples/configs/smollm2_135m_instruct.yaml) with built-in arithmetic prompts in the DAPO-Math
 instruction, --mini-batches updates per step, no evaluation, dynamic sampling off (a random policy's groups
 are all wrong, so the step would otherwise be only generation rounds); --set adds overrides. --compare runs
-the same work twice, first as before issue 28 (the actor recomputes pi_old and computes every row's prompt:
-BEFORE), then with pi_old from the rollout where exact and shared prompts (AFTER), and reports step_ratio.
+the same work twice, first as before issue 28 (the actor recomputes pi_old, computes every row's prompt, with
+Megatron's unfused attention: BEFORE), then as configured (AFTER), and reports step_ratio.
 Per step, read from TensorBoard: timing/{rollout,reward,old_logprob,update,weight_sync,step}_s (rollout
 includes reward, its scoring part), trained tokens = perf/tokens_per_s x timing/step_s (prompt + response
 tokens of every trained row), update tokens = the positions the updates computed, padding left out
@@ -47,7 +47,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "examples/configs/smollm2_135m_instruct.yaml"
 PHASES = ("rollout", "reward", "old_logprob", "update", "weight_sync", "step")
-BEFORE = ("actor.shared_prefix=false", "algo.old_logprob_source=recompute")
+BEFORE = ("actor.shared_prefix=false", "algo.old_logprob_source=recompute", "model.local_attention=megatron")
 AFTER = ("algo.old_logprob_source=auto",)
 
 

@@ -177,6 +177,14 @@ def param_dtype(cfg: ModelConfig) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
 
 
+def attention_kernel(cfg: ModelConfig) -> str:
+    """The core attention the actor's layers run, as the start-up summary names it."""
+    if use_transformer_engine(cfg):
+        return "Transformer Engine's"
+    return ("torch SDPA" if cfg.local_attention == "sdpa" else "Megatron's unfused") + \
+        f" (model.local_attention={cfg.local_attention})"
+
+
 def use_transformer_engine(cfg: ModelConfig) -> bool:
     if cfg.transformer_impl == "local":
         return False
@@ -262,6 +270,10 @@ def layer_spec(model_cfg: ModelConfig, spec: ModelSpec) -> Any:
     if use_transformer_engine(model_cfg):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kw)
     layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **kw)
+    if model_cfg.local_attention == "sdpa":
+        from megatron_dapo.actor.attention import SDPAttention
+
+        layer.submodules.self_attention.submodules.core_attention = SDPAttention
     if experts:
         keys = layer.submodules.sharded_state_dict_keys_map
         layer.submodules.sharded_state_dict_keys_map = {k: v for k, v in keys.items() if k != "pre_mlp_layernorm."}

@@ -42,6 +42,8 @@ class ModelConfig:
     """Parameter dtype: auto = bf16 on GPU (fp32 main grads), fp32 on CPU."""
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     """Layer spec: auto = Transformer Engine when it imports, else the local spec."""
+    local_attention: Literal["sdpa", "megatron"] = "sdpa"
+    """The local spec's core attention: torch's SDPA (fused) or Megatron's (unfused; actor/attention.py)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation granularity."""
     chat_template: str = "auto"
@@ -178,14 +180,10 @@ class RolloutConfig:
     most this many policy updates stale; one still unfinished after that is dropped when the step aborts
     it (rollout/dropped_stale_groups; its tokens count as wasted). 0 = no bound."""
     async_steps: int = knob(0, "[0, 8]", "0 = synchronous")
-    """Off-policy pipelining (rollout/step/pipeline.py), with the engine on its own devices (colocate=false):
-    k = the engine generates up to k batches ahead of the actor, batch b from the weights after step b-1-k.
-    1 = while the actor trains step s, the engine generates step s+1's batch from the weights after step
-    s-1; the new weights reach it at the batch boundary. k >= 2 absorbs batches that take longer than a
-    step (dynamic sampling's extra rounds); each step's weights wait in host memory until a batch is due
-    them. A trained group is then k policy versions old (rollout/staleness_*); older ones (partial rollout's
-    carried groups) are dropped and counted. π_old is the actor's recompute; algo.rollout_correction=auto
-    weighs the gap with token_tis. 0 = Algorithm 1."""
+    """Off-policy pipelining (rollout/step/pipeline.py; the engine on its own devices, colocate=false): the engine
+    runs up to k batches ahead, batch b from the weights after step b-1-k, so a trained group is k versions old
+    (rollout/staleness_*; older ones, partial rollout's carried groups, are dropped and counted). π_old is the
+    actor's recompute; algo.rollout_correction=auto weighs the gap with token_tis. 0 = Algorithm 1."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 

@@ -44,6 +44,8 @@ class StartupReport:
     """The actor's token budgets (train, pi_old), resolved from the vocabulary when configured as 0."""
     shared_prefix: bool = False
     """actor.shared_prefix resolved: each group's prompt computed once."""
+    attention: str = ""
+    """The actor's core attention (actor/model.py attention_kernel)."""
     old_logprobs: str = ""
     """Where pi_old comes from and why (OldLogprobSource.line)."""
 
@@ -63,7 +65,8 @@ class StartupReport:
             f"layout: TP={tp} x PP={pp} x DP={parallel.dp_size()} (world {parallel.world_size()}); micro-batches "
             f"{self.micro_batch_tokens[0]} / {self.micro_batch_tokens[1]} tokens (train / pi_old); "
             + ("a group's prompt computed once, its responses packed behind it" if self.shared_prefix
-               else "one row per sample") + f" (actor.shared_prefix={cfg.actor.shared_prefix})",
+               else "one row per sample") + f" (actor.shared_prefix={cfg.actor.shared_prefix}); attention "
+            f"{self.attention}",
             f"weights: {weights}",
             f"rollout engine: {self.engine}; started with the actor "
             + ("asleep" if not self.actor_bytes_at_engine_start

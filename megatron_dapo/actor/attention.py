@@ -1,0 +1,52 @@
+"""The local layer spec's core attention (`model.local_attention=sdpa`): torch's scaled_dot_product_attention
+in place of Megatron's DotProductAttention.
+
+Megatron's local core attention is unfused: it repeats the keys and values of each query group, writes the
+[b, heads, s, s] scores, masks and softmaxes them in float32 and multiplies by the values, and its backward
+walks the same tensors back. On a packed shared-prefix sequence (actor/prefix.py: a few hundred positions,
+most pairs masked) that took as long as the layer's linear maps on a CPU. SDPA computes the same function in
+one kernel (flash attention on CPU and GPU, grouped-query heads without the repeat), so only its rounding
+differs (tests/test_attention.py). Transformer Engine's spec keeps TE's own attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class SDPAttention(MegatronModule):
+    """DotProductAttention's interface and function: query [sq, b, heads, d], key / value [sk, b, groups, d]
+    (this TP rank's heads), `attention_mask` [b or 1, 1, sq, sk] bool with True = masked (Megatron's
+    convention), or None for a causal mask; returns the context [sq, b, heads * d]."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1 or config.softmax_type != "vanilla" or config.window_size:
+            raise ValueError("model.local_attention=sdpa: no context parallelism, sliding window or softmax "
+                             "offset (use model.local_attention=megatron)")
+        self.attn_mask_type = attn_mask_type
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        # apply_query_key_layer_scaling divides Megatron's scores by the layer number and its softmax multiplies
+        # them back (fp16 range only): the function is the same
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
+                attention_bias: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("model.local_attention=sdpa takes neither an attention bias nor packed_seq_params")
+        mask_type = attn_mask_type or self.attn_mask_type
+        causal = attention_mask is None and mask_type == AttnMaskType.causal
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads or groups, s, d]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if attention_mask is None else ~attention_mask, is_causal=causal,
+            dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale,
+            enable_gqa=q.shape[1] != k.shape[1])
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)

@@ -1,0 +1,83 @@
+"""model.local_attention=sdpa (actor/attention.py): the same function as the unfused attention written out in
+plain torch (grouped-query heads repeated, scores, masked float32 softmax, weighted values), outputs and
+gradients, for a causal sequence and for a packed shared-prefix sequence with its block mask and padding;
+and the layer spec that puts it in place of Megatron's DotProductAttention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_dapo.actor.prefix import block_mask
+
+HEADS, GROUPS, DIM = 9, 3, 64  # SmolLM2-135M's attention
+
+
+def reference(q, k, v, mask):
+    """Plain torch: q [s, b, h, d], k / v [s, b, g, d], mask [b, 1, s, s] True = masked (None = causal)."""
+    s, b, h, d = q.shape
+    k, v = (t.repeat_interleave(h // t.shape[2], dim=2) for t in (k, v))
+    scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / math.sqrt(d)
+    if mask is None:
+        mask = ~torch.ones(s, s, dtype=torch.bool).tril()
+    probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(q.dtype)
+    return torch.einsum("bhqk,kbhd->qbhd", probs, v).reshape(s, b, h * d)
+
+
+def core_attention():
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_dapo.actor.attention import SDPAttention
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
+                            num_query_groups=GROUPS, kv_channels=DIM, attention_dropout=0.0)
+    return SDPAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+
+
+def packed_mask(batch: int) -> torch.Tensor:
+    """Two units per sequence: a 5-token prefix and segments of 4 and 6, then a 7-token prefix and one segment
+    of 5, then 3 padding positions (padding sees padding)."""
+    units = torch.tensor([0] * 15 + [1] * 12 + [-1] * 3)
+    segments = torch.tensor([0] * 5 + [1] * 4 + [2] * 6 + [0] * 7 + [1] * 5 + [0] * 3)
+    return block_mask(units, segments)[None, None].expand(batch, 1, -1, -1)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_sdpa_equals_the_unfused_attention(masked, dtype, tol):
+    torch.manual_seed(0)
+    s, b = 30, 2
+    mask = packed_mask(b) if masked else None
+    q = torch.randn(s, b, HEADS, DIM, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(s, b, GROUPS, DIM, dtype=dtype, requires_grad=True) for _ in range(2))
+    grad = torch.randn(s, b, HEADS * DIM, dtype=dtype)
+    results = []
+    for f in (lambda *a: core_attention()(*a), reference):
+        out = f(q, k, v, mask)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+        results.append((out, dq, dk, dv))
+    for got, want in zip(*results):
+        assert got.shape == want.shape
+        assert (got.float() - want.float()).abs().max() <= tol * max(1.0, want.float().abs().max())
+
+
+def test_the_local_spec_uses_it_unless_asked_for_megatrons():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_dapo.actor.attention import SDPAttention
+    from megatron_dapo.actor.model import ModelSpec, layer_spec
+    from megatron_dapo.config import ModelConfig
+
+    spec = ModelSpec(family="llama", num_layers=2, hidden_size=HEADS * DIM, ffn_hidden_size=1536, num_heads=HEADS,
+                     num_kv_heads=GROUPS, head_dim=DIM, vocab_size=256, max_position_embeddings=512,
+                     rope_theta=1e4, norm_eps=1e-5, qkv_bias=False, tied_embeddings=True)
+
+    def core(**kw):
+        return layer_spec(ModelConfig(transformer_impl="local", **kw), spec).submodules.self_attention.submodules \
+            .core_attention
+
+    assert core() is SDPAttention and core(local_attention="megatron") is DotProductAttention
+
