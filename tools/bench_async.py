@@ -10,7 +10,8 @@ minutes, kept with --bases-dir) and smollm2 (SmolLM2-135M's architecture with --
 SmolLM2 recipe on built-in arithmetic prompts: a size where the kernels, not Python, take the time).
 Steps 2 to --steps - (the largest K) are compared: a pipelined run's first step has nothing to overlap with, its last
 K nothing left to produce (the engine idles through them). --async-steps K [K ...] runs a pipelined run for
-each K against the one synchronous run. The limit of overlapping two
+each K against the one synchronous run, --modes batch stream one for each rollout.async_mode (fully async
+needs the group stream: with stream among the modes every run streams, the synchronous one too). The limit of overlapping two
 phases of times g (generation + reward) and t (the rest of the step) is max(g, t) / (g + t), from the
 synchronous run's own phase times.
 
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps a run (2 .. steps - max(--async-steps) compared; at least 2 + that)")
     p.add_argument("--async-steps", nargs="+", type=int, default=[1], metavar="K",
                    help="the pipelined runs' rollout.async_steps, each compared with the synchronous run")
+    p.add_argument("--modes", nargs="+", default=["batch"], choices=["batch", "stream"],
+                   help="rollout.async_mode of the pipelined runs (stream: fully async), each against the synchronous")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides of both runs")
     p.add_argument("--smollm2-layers", type=int, default=4, help="decoder layers of the smollm2 base (SmolLM2: 30)")
     p.add_argument("--bases-dir", type=Path, default=None,
@@ -70,15 +73,17 @@ def build_base(name: str, root: Path, smollm2_layers: int) -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def run(base: Path, name: str, engine: str, async_steps: int, args: argparse.Namespace, root: Path) -> dict:
+def run(base: Path, name: str, engine: str, async_steps: int, args: argparse.Namespace, root: Path,
+        mode: str = "batch") -> dict:
     """One training run; its per-step scalars (TensorBoard), steps 2 .. steps - 1."""
     from megatron_dapo.metrics import read_scalars
 
-    run_name = f"{name}_{engine}_async{async_steps}"
+    run_name = f"{name}_{engine}_async{async_steps}_{mode}"
     cmd = [sys.executable, "-m", "megatron_dapo.train", "--config", str(REPO / BASES[name][1]),
            f"model.hf_dir={base}", f"checkpoint.dir={root / 'ckpt'}", f"logging.tensorboard_dir={root / 'tb'}",
            f"logging.run_name={run_name}", f"train.steps={args.steps}", f"rollout.engine={engine}",
-           f"rollout.async_steps={async_steps}", *COMMON, *BASES[name][2], *args.set]
+           f"rollout.async_steps={async_steps}", f"rollout.async_mode={mode}", *COMMON, *BASES[name][2],
+           *(["rollout.streaming=true"] if "stream" in args.modes else []), *args.set]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
     r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=3600)
     if r.returncode:
@@ -92,11 +97,11 @@ def median(tb: dict, tag: str) -> float:
     return statistics.median(tb[tag]) if tb.get(tag) else 0.0
 
 
-def compare(name: str, engine: str, k: int, sync: dict, pipe: dict) -> dict:
+def compare(name: str, engine: str, k: int, sync: dict, pipe: dict, mode: str = "batch") -> dict:
     gen = median(sync, "timing/rollout_s")  # generation and scoring (timing/reward_s is the scoring part)
     wall_sync, wall_async = median(sync, "timing/step_s"), median(pipe, "timing/step_s")
     train = max(wall_sync - gen, 0.0)
-    return {"base": name, "engine": engine, "async_steps": k, "sync_step_s": wall_sync, "async_step_s": wall_async,
+    return {"base": name, "engine": engine, "async_steps": k, "async_mode": mode, "sync_step_s": wall_sync, "async_step_s": wall_async,
             "ratio": wall_async / wall_sync if wall_sync else float("nan"),
             "limit": max(gen, train) / (gen + train) if gen + train else float("nan"),
             "sync_generate_s": gen, "sync_train_s": train,
@@ -107,7 +112,9 @@ def compare(name: str, engine: str, k: int, sync: dict, pipe: dict) -> dict:
             "sync_weight_sync_s": median(sync, "timing/weight_sync_s"),
             "async_weight_sync_s": median(pipe, "timing/weight_sync_s"),
             "sync_tokens_per_s": median(sync, "perf/tokens_per_s"),
-            "async_tokens_per_s": median(pipe, "perf/tokens_per_s")}
+            "async_tokens_per_s": median(pipe, "perf/tokens_per_s"),
+            "async_staleness_mean": median(pipe, "rollout/staleness_mean"),
+            "async_weight_updates_in_batch": median(pipe, "rollout/weight_updates")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,11 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
         root = Path(tmp)
         for name in args.bases:
-            base = build_base(name, args.bases_dir or root, args.smollm2_layers)
+            base = build_base(name, (args.bases_dir or root).resolve(), args.smollm2_layers)  # built in REPO
             for engine in args.engines:
                 sync = run(base, name, engine, 0, args, root)
                 for k in args.async_steps:
-                    report(compare(name, engine, k, sync, run(base, name, engine, k, args, root)), args.json)
+                    for mode in args.modes:
+                        pipe = run(base, name, engine, k, args, root, mode)
+                        report(compare(name, engine, k, sync, pipe, mode), args.json)
     return 0
 
 
@@ -131,11 +140,12 @@ def report(row: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(row), flush=True)
     else:
-        print(f"{row['base']:6s} {row['engine']:9s} k={row['async_steps']} sync {row['sync_step_s']:.2f} s/step (generate "
+        print(f"{row['base']:6s} {row['engine']:9s} k={row['async_steps']} {row['async_mode']} sync {row['sync_step_s']:.2f} s/step (generate "
               f"{row['sync_generate_s']:.2f} + train {row['sync_train_s']:.2f}), async "
               f"{row['async_step_s']:.2f} s/step: x{row['ratio']:.2f} (limit x{row['limit']:.2f}); "
               f"idle actor {row['async_actor_idle_s']:.2f} s, engine {row['async_engine_idle_s']:.2f} s; "
-              f"tokens/s {row['sync_tokens_per_s']:.0f} -> {row['async_tokens_per_s']:.0f}", flush=True)
+              f"tokens/s {row['sync_tokens_per_s']:.0f} -> {row['async_tokens_per_s']:.0f}; staleness "
+              f"{row['async_staleness_mean']:.2f}", flush=True)
 
 
 if __name__ == "__main__":
