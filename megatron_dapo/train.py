@@ -187,10 +187,11 @@ def next_rollout(run: RunState, step: int) -> StepRollout:
 
 def sync_engine(run: RunState, step: int) -> SyncStats:
     """The weights after `step` for the engine: synced at once (the synchronous loop; async_steps=1, at the
-    batch boundary), or copied for the producer to hand over when a batch is due them (async_steps >= 2)."""
-    k = run.cfg.rollout.async_steps
-    if k >= 2:  # batch step + 1 + k is the first that is due these weights
-        stats, snapshot = run.phases.snapshot(step, due=step + 1 + k <= run.cfg.train.steps)
+    batch boundary), or copied for the producer to hand over when a batch is due them (async_steps >= 2), or
+    at once, mid-batch (async_mode=stream)."""
+    k, stream = run.cfg.rollout.async_steps, run.cfg.rollout.async_mode == "stream"
+    if k >= 2 or (k and stream):  # batch step + 1 + k is the first that is due these weights; fully async: any later
+        stats, snapshot = run.phases.snapshot(step, due=step + 1 + (0 if stream else k) <= run.cfg.train.steps)
     else:
         stats, snapshot = run.phases.sync(step), None
     if run.pipeline is not None:
@@ -200,9 +201,9 @@ def sync_engine(run: RunState, step: int) -> SyncStats:
 
 def batch_boundary(run: RunState) -> None:
     """async_steps=1: wait for the next batch (generated from the weights the engine still holds) before
-    those weights change. Nothing to do in the synchronous loop, nor with async_steps >= 2 (the engine takes
-    snapshots)."""
-    if run.pipeline is not None and run.pipeline.depth == 1:
+    those weights change. Nothing to do in the synchronous loop, nor with async_steps >= 2 or async_mode=stream
+    (the engine takes snapshots)."""
+    if run.pipeline is not None and run.pipeline.depth == 1 and not run.pipeline.stream:
         with rollout_logits_checked(run, after_step=run.phases.step):
             with run.timer("rollout_wait"):
                 run.pipeline.wait()
@@ -218,7 +219,8 @@ def collect(run: RunState, step: int) -> StepRollout:
                                       cfg.rollout.partial_rollout, cfg.rollout.max_carry_steps)
         rollout = collect_stream(run.engine, run.next_prompt, run.score,
                                  lambda g: sampling_params(cfg, run.eos_ids, "train", step, "group", g), plan,
-                                 group_size=cfg.algo.group_size, carry=run.carry, version=version)
+                                 group_size=cfg.algo.group_size, carry=run.carry, version=version,
+                                 weights=run.pipeline if cfg.rollout.async_mode == "stream" else None)
         run.carry = rollout.carry
     else:
         rollout = collect_rounds(run.engine, run.next_prompt, run.score,
@@ -245,10 +247,11 @@ def validate_policy(run: RunState, step: int) -> dict[str, float]:
 
 
 def settle_engine(run: RunState, step: int) -> None:
-    """async_steps >= 2, before an evaluation after a step: the batches in production finish, then the engine
-    takes the weights after `step` directly (collective), as in the synchronous loop. The next batch to start
-    (step + 1 + k) is due exactly these weights, so the schedule is unchanged."""
-    if run.cfg.rollout.async_steps < 2 or step <= run.start_step:
+    """async_steps >= 2 or async_mode=stream, before an evaluation after a step: the batches in production
+    finish, then the engine takes the weights after `step` directly (collective), as in the synchronous loop.
+    The next batch to start (step + 1 + k) is due exactly these weights, so the schedule is unchanged."""
+    r = run.cfg.rollout
+    if (r.async_steps < 2 and not (r.async_steps and r.async_mode == "stream")) or step <= run.start_step:
         return
     if run.pipeline is not None:
         run.pipeline.drain()

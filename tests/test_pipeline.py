@@ -280,8 +280,9 @@ def test_bench_async_runs_valid_configs_on_each_base(name):
 
     tool = runpy.run_path(str(REPO / "tools" / "bench_async.py"))
     _, config, sized = tool["BASES"][name]
-    for async_steps in (0, 1):
-        cfg = load_config(str(REPO / config), [*tool["COMMON"], *sized, f"rollout.async_steps={async_steps}"])
+    for async_steps, mode in ((0, "batch"), (1, "batch"), (1, "stream")):
+        cfg = load_config(str(REPO / config), [*tool["COMMON"], *sized, f"rollout.async_steps={async_steps}",
+                                               f"rollout.async_mode={mode}", "rollout.streaming=true"])
         validate(cfg)
         assert not cfg.rollout.colocate and cfg.rollout.async_steps == async_steps
 

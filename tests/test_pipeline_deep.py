@@ -126,7 +126,7 @@ def test_sglang_takes_lagged_weights_only_in_a_one_rank_job():
     cfg = Config()
     cfg.rollout.async_steps, cfg.rollout.colocate, cfg.rollout.engine = 2, False, "sglang"
     validate(cfg, world_size=1)
-    with pytest.raises(ConfigError, match=r"async_steps=2 with SGLang needs a one-rank job .* rollout.async_steps=1"):
+    with pytest.raises(ConfigError, match=r"async_steps=2 async_mode=batch with SGLang needs a one-rank job .* rollout.async_steps=1"):
         validate(cfg, world_size=2)
     cfg.rollout.async_steps = 1
     validate(cfg, world_size=2)

@@ -1,7 +1,5 @@
-"""The config tree: one typed dataclass per component, each field with its meaning in the paper.
-
-YAML files hold deltas over these defaults (loading.py); `validate()` (validation.py) runs the checks.
-"""
+"""The config tree: one typed dataclass per component, each field with its meaning in the paper; YAML files
+hold deltas over these defaults (loading.py); `validate()` (validation.py) runs the checks."""
 
 from __future__ import annotations
 
@@ -184,6 +182,8 @@ class RolloutConfig:
     runs up to k batches ahead, batch b from the weights after step b-1-k, so a trained group is k versions old
     (rollout/staleness_*; older ones, partial rollout's carried groups, are dropped and counted). π_old is the
     actor's recompute; algo.rollout_correction=auto weighs the gap with token_tis. 0 = Algorithm 1."""
+    async_mode: Literal["batch", "stream"] = "batch"
+    """batch: new weights reach the engine between batches; stream: fully async, mid-batch (pipeline.py)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 

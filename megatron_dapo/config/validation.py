@@ -91,11 +91,15 @@ def _async_problems(cfg: Config) -> list[str]:
     """rollout.async_steps: the engine on its own devices, pi_old recomputed by the actor."""
     r = cfg.rollout
     if not r.async_steps:
-        return []
+        return [("rollout.async_mode=stream needs off-policy pipelining: set rollout.async_steps >= 1 (the "
+                 "staleness bound)")] if r.async_mode == "stream" else []
     p: list[str] = []
     if r.colocate:
         p.append(f"rollout.async_steps={r.async_steps} overlaps generation with training, which needs the engine on "
                  "its own devices: set rollout.colocate=false (or async_steps=0)")
+    if r.async_mode == "stream" and not r.streaming:
+        p.append("rollout.async_mode=stream interrupts the batch in production with new weights, which needs the "
+                 "group stream: set rollout.streaming=true (or async_mode=batch)")
     if cfg.algo.old_logprob_source == "rollout":
         p.append(f"rollout.async_steps={r.async_steps} with algo.old_logprob_source=rollout: the batch comes "
                  "from an older policy, pi_old must be the actor's recompute (old_logprob_source=recompute)")
@@ -106,10 +110,12 @@ def _lagged_problems(cfg: Config, world_size: int) -> list[str]:
     """async_steps >= 2 hands each step's weights to the engine later, from the producer thread of the one
     rank that feeds it: the embedded engine (the driver's), or SGLang servers fed by a one-rank job."""
     r = cfg.rollout
-    if r.async_steps < 2 or r.engine != "sglang" or world_size == 1:
+    lagged = r.async_steps >= 2 or (r.async_steps and r.async_mode == "stream")
+    if not lagged or r.engine != "sglang" or world_size == 1:
         return []
-    return [(f"rollout.async_steps={r.async_steps} with SGLang needs a one-rank job (every rank of {world_size} "
-             "takes part in updating the servers, at the batch boundary only): use rollout.async_steps=1")]
+    return [(f"rollout.async_steps={r.async_steps} async_mode={r.async_mode} with SGLang needs a one-rank job (every "
+             f"rank of {world_size} takes part in updating the servers, at the batch boundary only): use "
+             "rollout.async_steps=1 async_mode=batch")]
 
 
 def _correction_problems(a: AlgoConfig, correction: str) -> list[str]:

@@ -125,7 +125,12 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
         alarms=Alarms(cfg.logging, cfg.rollout.max_response_len),
         ckpt_root=folder, hf_dir=hf_dir, scorer=scorer, old_logprobs=old,
         servers=engines.servers,
-        lock=lock, pipeline=RolloutPipeline(engines.threads, cfg.rollout.async_steps) if driver and cfg.rollout.async_steps else None)
+        lock=lock, pipeline=_pipeline(cfg, engines.threads) if driver else None)
+
+
+def _pipeline(cfg: Config, threads: int | None) -> RolloutPipeline | None:
+    r = cfg.rollout
+    return RolloutPipeline(threads, r.async_steps, stream=r.async_mode == "stream") if r.async_steps else None
 
 
 def _train_iterator(cfg: Config, tokenizer: Any, fmt: PromptFormat, report: StartupReport) -> PromptIterator:

@@ -90,8 +90,13 @@ def schedule_line(cfg: Config) -> str:
                                                  if cfg.algo.rollout_correction == "auto" else "")
     if not cfg.rollout.async_steps:
         return f"synchronous (each step generates its own batch from the newest weights); {correction}"
-    return (f"off-policy pipelining, rollout.async_steps={cfg.rollout.async_steps}: the next step's batch "
-            f"generates while the actor trains, from weights {cfg.rollout.async_steps} update(s) older; {correction}")
+    k = cfg.rollout.async_steps
+    if cfg.rollout.async_mode == "stream":
+        return (f"fully async, rollout.async_steps={k} async_mode=stream: the next step's batch generates while the "
+                f"actor trains, each step's weights reach the engine mid-batch (in-flight groups resumed on them), "
+                f"a token at most {k} update(s) older than the actor; {correction}")
+    return (f"off-policy pipelining, rollout.async_steps={k}: the next step's batch "
+            f"generates while the actor trains, from weights {k} update(s) older; {correction}")
 
 
 def policy_loss_line(cfg: Config) -> str:

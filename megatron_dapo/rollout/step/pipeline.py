@@ -9,6 +9,11 @@ after step s-1; the main thread waits for it at the batch boundary, then the wei
 engine directly (the step's sync). With k >= 2 the engine may still be generating an older batch when a step
 ends, so the step's weights are copied to host memory instead (`publish`, a WeightSnapshot) and the producer
 hands them to the engine before the batch that needs them; it holds up to k snapshots when generation lags.
+Fully async (`rollout.async_mode=stream`, `stream=True`): every step's weights are published as a snapshot,
+and the producer hands the newest to the engine before a batch and again mid-batch: `publish` aborts the
+group stream if it is waiting for a group (`waiting`; the engine stops at its next decode step), and the
+stream resumes its groups on the new weights (`interruption`, `fresher`, `refresh`; rollout/step/streaming.py),
+so batch b's tokens are from the weights after step b-1-k or newer: still at most k versions old.
 A checkpoint at step s holds batches s+1 .. s+k, generated and not yet trained on (`state_dict` waits for
 them), so the resumed run trains on the very same batches and generates batch s+k+1 from the checkpoint's
 weights, as the uninterrupted run does. Samples are stamped with the policy version that generated them
@@ -27,12 +32,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
+from megatron_dapo.rollout.base import AbortReport, RolloutStream
 from megatron_dapo.rollout.step.result import StepRollout, load_rollout, rollout_state
 
 
@@ -63,10 +70,10 @@ class RolloutPipeline:
     hands the engine the weights each batch is due (`publish`, `apply_weights`), and measures how the two
     sides overlapped within each step (`step_scalars`)."""
 
-    def __init__(self, threads: int | None = None, depth: int = 1, version: int = 0) -> None:
+    def __init__(self, threads: int | None = None, depth: int = 1, version: int = 0, stream: bool = False) -> None:
         """`threads`: the producer thread's torch threads; None = half of this process's, the actor (this
         thread) keeping the rest. `depth`: rollout.async_steps. `version`: the engine's weights (the step
-        they are from) when the run starts."""
+        they are from) when the run starts. `stream`: rollout.async_mode=stream (module docstring)."""
         if depth < 1:
             raise ValueError(f"depth={depth}: the pipeline runs at least one batch ahead")
         self.produce: Callable[[int], StepRollout] | None = None
@@ -77,13 +84,16 @@ class RolloutPipeline:
             total = torch.get_num_threads()
             threads = engine_threads(total)
             torch.set_num_threads(max(1, total - threads))  # the actor's share (this thread)
-        self.threads, self.depth, self.version = threads, depth, version
+        self.threads, self.depth, self.version, self.stream = threads, depth, version, stream
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-producer")
         self._pending: deque[tuple[int, Future]] = deque()
         self._ready: deque[tuple[int, StepRollout]] = deque()
         self._snapshots: dict[int, WeightSnapshot] = {}
         self._busy: list[tuple[float, float]] = []
         self._lock = threading.Lock()
+        self._live_lock = threading.Lock()
+        self._live: RolloutStream | None = None
+        self._interrupt: AbortReport | None = None
         self._waited = 0.0
         self._t0: float | None = None
         """Start of the step being measured: the first take, then the end of the last step_scalars."""
@@ -114,12 +124,32 @@ class RolloutPipeline:
         """The weights after `step`, published at every step's end: a snapshot for the producer to hand over
         before the batch that is due them (depth >= 2), or None: nothing new to hand over (depth 1: synced
         at the boundary, with nothing in production; or the step made no update; or no batch is due them)."""
-        if self.depth == 1:
+        if self.depth == 1 and not self.stream:
             assert snapshot is None and not self._pending, "depth 1 syncs at the boundary, nothing in production"
             self.version = step
             return
-        with self._lock:
-            self._snapshots[step] = snapshot
+        with self._live_lock:  # fully async: a stream waiting for a group stops for these weights
+            with self._lock:
+                self._snapshots[step] = snapshot
+            if self.stream and snapshot is not None and self._live is not None and self._interrupt is None:
+                self._interrupt, self._live = self._live.abort(), None
+
+    @contextmanager
+    def waiting(self, stream: RolloutStream) -> Iterator[None]:
+        """The producer waits for `stream`'s next group: `publish` may abort the stream meanwhile."""
+        with self._live_lock:
+            self._live = stream
+        try:
+            yield
+        finally:
+            with self._live_lock:
+                self._live = None
+
+    def interruption(self) -> AbortReport | None:
+        """The report of the abort by which `publish` ended the producer's stream (taken once), if any."""
+        with self._live_lock:
+            report, self._interrupt = self._interrupt, None
+        return report
 
     def synced(self, step: int) -> None:
         """The engine took the weights after `step` directly (nothing in production; before an evaluation):
@@ -134,10 +164,23 @@ class RolloutPipeline:
         torch.set_num_threads(self.threads)  # the producer thread's share
         return self._timed(step)
 
-    def _take_weights(self, step: int) -> None:
-        """The producer, before batch `step`: the engine takes the newest weights up to those it is due;
-        older snapshots go."""
-        due = self.due_version(step)
+    def fresher(self) -> bool:
+        """Fully async: weights newer than the engine's were published (the producer may `refresh`)."""
+        with self._lock:
+            return self.stream and any(v > self.version and snap is not None for v, snap in self._snapshots.items())
+
+    def refresh(self) -> None:
+        """Fully async, the producer mid-batch (nothing in flight on the engine): it takes the newest weights."""
+        with self._lock:
+            newest = max(self._snapshots, default=self.version)
+        self._take_weights(newest)
+
+    def _take_weights(self, due: int) -> None:
+        """The producer: the engine takes the newest weights up to those after step `due` (fully async: or
+        newer, as published); older snapshots go."""
+        if self.stream:
+            with self._lock:
+                due = max(due, *self._snapshots) if self._snapshots else due
         if due <= self.version:
             return
         with self._lock:
@@ -146,7 +189,7 @@ class RolloutPipeline:
             for v in [v for v in self._snapshots if v <= due]:
                 del self._snapshots[v]
         if missing:
-            raise RuntimeError(f"batch {step} is due the weights after step {due}, but those after step(s) "
+            raise RuntimeError(f"the engine is due the weights after step {due}, but those after step(s) "
                                f"{missing} were never published")
         if newest is not None:
             self.apply_weights(newest)
@@ -156,7 +199,7 @@ class RolloutPipeline:
         """produce(step) with the weights it is due, its interval recorded as the engine's busy time."""
         t0 = time.perf_counter()
         try:
-            self._take_weights(step)
+            self._take_weights(self.due_version(step))
             return self.produce(step)
         finally:
             with self._lock:

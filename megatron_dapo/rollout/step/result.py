@@ -71,6 +71,12 @@ class StreamStats:
     """Groups handed to the next step and the response tokens they take along."""
     dropped_stale_groups: int = 0
     """Aborted groups not carried on: they had been carried max_carry_steps times already."""
+    live: bool = False
+    """Fully async (rollout.async_mode=stream): the weights could change mid-batch (reported below)."""
+    weight_updates: int = 0
+    interrupted_groups: int = 0
+    """Fully async: how often the engine took newer weights during this batch, and the groups in flight then
+    (aborted and resumed on the new weights; counted once per update)."""
     first_kept_s: float = math.nan
     """Seconds from the step's start to its first kept group."""
     aborted_response_len: float = math.nan
@@ -96,6 +102,9 @@ class StreamRollout(StepRollout):
                         "rollout/carried_groups": float(s.carried_groups),
                         "rollout/carried_tokens": float(s.carried_tokens),
                         "rollout/dropped_stale_groups": float(s.dropped_stale_groups)})
+        if s.live:
+            out.update({"rollout/weight_updates": float(s.weight_updates),
+                        "rollout/interrupted_groups": float(s.interrupted_groups)})
         if not math.isnan(s.aborted_response_len):
             out["rollout/aborted_response_len"] = s.aborted_response_len
         if not math.isnan(s.first_kept_s):

@@ -23,6 +23,13 @@ the policy that sampled them: the actor recomputes pi_old over the whole respons
 correction weights (`algo.rollout_correction`, when on) account for the gap. The carry is part of the
 checkpoint. A group is carried into at most `rollout.max_carry_steps` later steps (0: no bound), so no token
 is more than that many policy updates stale; one still unfinished then is dropped (its tokens wasted).
+
+Fully async (`rollout.async_mode=stream`, `weights`): newer weights interrupt the stream. Whoever publishes
+them aborts it while `next()` waits (`weights.waiting`: at the engine's next decode step), or the stream
+aborts itself before its next submission; either way the groups in flight come back with their samples so
+far, the engine takes the weights, and the groups are resubmitted to continue from where they stopped. Each
+sample records which version made which of its tokens (`Sample.versions`); rollout/weight_updates and
+rollout/interrupted_groups count the hand-overs.
 """
 
 from __future__ import annotations
@@ -32,12 +39,23 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Protocol
 
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats, is_informative
 from megatron_dapo.config import AlgoConfig
 from megatron_dapo.config.schema import FilterMetric, OnExhausted
-from megatron_dapo.rollout.base import AbortReport, GroupRequest, RolloutEngine, SamplingParams
+from megatron_dapo.rollout.base import (
+    AbortReport,
+    EngineStateError,
+    GenerationAborted,
+    GroupRequest,
+    GroupResult,
+    RolloutEngine,
+    RolloutStream,
+    SamplingParams,
+)
 from megatron_dapo.rollout.step.carry import PartialCarry
 from megatron_dapo.rollout.step.result import StreamRollout
 from megatron_dapo.rollout.step.scoring import RenderedPrompt
@@ -90,6 +108,22 @@ class StreamPlan:
         return min(want, self.max_inflight)
 
 
+class LiveWeights(Protocol):
+    """Weights that may change mid-batch (rollout/step/pipeline.py): the engine's `version`, whether newer
+    ones were published, `refresh` (the engine takes them; nothing may be in flight); `waiting(stream)`
+    wraps each `next()`, during which the publisher may abort the stream (`interruption` takes its report)."""
+
+    version: int
+
+    def fresher(self) -> bool: ...
+
+    def refresh(self) -> None: ...
+
+    def waiting(self, stream: RolloutStream) -> AbstractContextManager: ...
+
+    def interruption(self) -> AbortReport | None: ...
+
+
 class RolloutStepError(RuntimeError):
     """The engine failed mid-stream; `partial` holds everything the step had received and kept."""
 
@@ -100,7 +134,8 @@ class RolloutStepError(RuntimeError):
 
 def collect_stream(engine: RolloutEngine, next_prompt: Callable[[], RenderedPrompt],
                    score: Callable[[Group], None], sampling: Callable[[int], SamplingParams], plan: StreamPlan, *,
-                   group_size: int, carry: PartialCarry | None = None, version: int = 0) -> StreamRollout:
+                   group_size: int, carry: PartialCarry | None = None, version: int = 0,
+                   weights: LiveWeights | None = None) -> StreamRollout:
     """The trainer's stream, with the same callables as `collect_rounds`: group g is `next_prompt()`'s
     next prompt, its `group_size` samples drawn with `sampling(g)` (its seed)."""
 
@@ -108,18 +143,20 @@ def collect_stream(engine: RolloutEngine, next_prompt: Callable[[], RenderedProm
         prompt, ids = next_prompt()
         return prompt, GroupRequest(key=g, prompt_ids=ids, n=group_size, sampling=sampling(g))
 
-    return stream_groups(engine, request, score, plan, carry, version)
+    return stream_groups(engine, request, score, plan, carry, version, weights)
 
 
 def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, GroupRequest]],
                   score: Callable[[Group], None], plan: StreamPlan, carry: PartialCarry | None = None,
-                  version: int = 0) -> StreamRollout:
+                  version: int = 0, weights: LiveWeights | None = None) -> StreamRollout:
     """Stream groups `request(0), request(1), ...` through `engine` until `plan` is met (module docstring).
     The groups of `carry` (partial rollout) go first, as groups 0 .. len(carry) - 1, and the result's carry is
-    the next step's. Samples are stamped with `version` (the engine's policy version) from where they were
-    carried in."""
+    the next step's. Samples are stamped with `version` (the engine's policy version; `weights.version`
+    when the weights may change mid-batch) from where they were carried in."""
     t0 = time.perf_counter()
     out = StreamRollout(groups=[], stats=DynamicSamplingStats(0, 0, 0, 0.0, False))
+    out.stream.live = weights is not None
+    version = weights.version if weights is not None else version
     prompts: dict[int, Prompt] = {}
     requests: dict[int, GroupRequest] = {}
     informative = 0
@@ -131,17 +168,46 @@ def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, 
         if items:
             stream.submit([req for _, req in items])
 
+    interrupted: AbortReport | None = None
+
+    def aborted(stream) -> AbortReport:
+        """The groups in flight, cancelled: by the publisher of newer weights, or now."""
+        nonlocal interrupted
+        report = interrupted or (weights.interruption() if weights is not None else None)
+        interrupted = None
+        return report if report is not None else stream.abort()
+
+    def refresh(stream) -> int:
+        """The newer weights: the groups in flight aborted, the engine updated, the groups resubmitted."""
+        report = aborted(stream)
+        _check_partial(stream, report)
+        for k in report.keys:
+            stamp(report.partial[k], version, requests[k].resume)
+            requests[k] = dataclasses.replace(requests[k], resume=tuple(report.partial[k]))
+        weights.refresh()
+        out.stream.generated_tokens += report.tokens
+        out.stream.weight_updates += 1
+        out.stream.interrupted_groups += len(report.keys)
+        if report.keys:
+            stream.submit([requests[k] for k in report.keys])
+        return weights.version
+
     with engine.stream() as stream:
         try:
             submit(stream, [(p, dataclasses.replace(r, key=g)) for g, (p, r) in enumerate(carry or ())])
             out.stream.resumed_groups, out.stream.partial = len(carry or ()), plan.partial
             while len(out.groups) < plan.target_groups:
+                if weights is not None and weights.fresher():
+                    version = refresh(stream)
                 wanted = plan.inflight(len(out.groups), len(out.generated), informative) - stream.pending
                 fresh = max(0, min(wanted, plan.max_groups - out.stream.submitted))
                 submit(stream, [request(out.stream.submitted + i) for i in range(fresh)])
                 if not stream.pending:
                     break  # the group budget is spent
-                result = stream.next()
+                result = next_group(stream, weights)
+                if isinstance(result, AbortReport):
+                    interrupted = result
+                    continue  # newer weights: the groups resume on them
                 group = Group(prompt=prompts.pop(result.key), samples=result.samples)
                 stamp(group.samples, version, requests[result.key].resume)
                 t = time.perf_counter()
@@ -156,29 +222,47 @@ def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, 
                     if len(out.groups) == 1:
                         out.stream.first_kept_s = time.perf_counter() - t0
         except Exception as e:
-            report = stream.abort()
+            report = aborted(stream)
             _finish(out, report, informative, plan, report.tokens, exhausted_ok=True)
             raise RolloutStepError(
                 f"streaming rollout failed after keeping {len(out.groups)}/{plan.target_groups} groups "
                 f"({len(out.generated)} finished, {out.stream.submitted} submitted): {e}", out) from e
-        report = stream.abort()
-        wasted = report.tokens
+        report = aborted(stream)  # without partial rollout the tokens made before a mid-batch update go too:
+        wasted = report.tokens + sum(requests[k].resumed_tokens for k in report.keys)
         if plan.partial:
-            if set(report.partial) != set(report.keys):
-                raise RuntimeError(f"partial rollout: {type(stream).__name__} did not report every aborted "
-                                   f"group's samples ({sorted(report.partial)} of {report.keys})")
+            _check_partial(stream, report)
             for k in report.keys:
                 stamp(report.partial[k], version, requests[k].resume)
-            aborted = [(prompts[k], dataclasses.replace(requests[k], resume=tuple(report.partial[k]),
-                                                      carried_steps=requests[k].carried_steps + 1))
-                     for k in report.keys]
-            stale = [0 < plan.max_carry_steps < r.carried_steps for _, r in aborted]
-            out.carry = PartialCarry([c for c, old in zip(aborted, stale) if not old])
+            cut = [(prompts[k], dataclasses.replace(requests[k], resume=tuple(report.partial[k]),
+                                                  carried_steps=requests[k].carried_steps + 1))
+                   for k in report.keys]
+            stale = [0 < plan.max_carry_steps < r.carried_steps for _, r in cut]
+            out.carry = PartialCarry([c for c, old in zip(cut, stale) if not old])
             out.stream.dropped_stale_groups = sum(stale)
-            wasted = sum(r.resumed_tokens for (_, r), old in zip(aborted, stale) if old)
+            wasted = sum(r.resumed_tokens for (_, r), old in zip(cut, stale) if old)
         _finish(out, report, informative, plan, wasted)
     out.generate_seconds = time.perf_counter() - t0 - out.reward_seconds
     return out
+
+
+def next_group(stream: RolloutStream, weights: LiveWeights | None) -> GroupResult | AbortReport:
+    """`stream.next()`, or the report of the abort by which the publisher of newer weights ended it."""
+    if weights is None:
+        return stream.next()
+    with weights.waiting(stream):
+        try:
+            return stream.next()
+        except (GenerationAborted, EngineStateError):  # aborted while waiting, or just before
+            report = weights.interruption()
+            if report is None:
+                raise
+            return report
+
+
+def _check_partial(stream, report: AbortReport) -> None:
+    if set(report.partial) != set(report.keys):
+        raise RuntimeError(f"partial rollout: {type(stream).__name__} did not report every aborted group's samples "
+                           f"({sorted(report.partial)} of {report.keys})")
 
 
 def _finish(out: StreamRollout, report: AbortReport, informative: int, plan: StreamPlan, wasted: int,

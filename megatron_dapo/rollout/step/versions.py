@@ -11,12 +11,13 @@ from megatron_dapo.types import Group, Sample
 
 def stamp(samples: list[Sample], version: int, before: tuple[Sample, ...] = ()) -> None:
     """Record that `version` made each sample's tokens after those of `before[k]` (the sample as it was
-    carried in: its spans are kept); a sample with no span gets (0, version)."""
+    carried in: its spans are kept); a finished sample with no span gets (0, version), an unfinished one
+    without tokens none (no policy made any of it yet)."""
     for k, s in enumerate(samples):
         prior = before[k] if k < len(before) else None
         spans = list(prior.versions) if prior is not None else []
         start = prior.response_len if prior is not None else 0
-        if s.response_len > start or not spans:
+        if s.response_len > start or (not spans and s.finish_reason != "abort"):
             spans.append((start, version))
         s.versions = spans
 
