@@ -162,6 +162,38 @@ def test_the_pipeline_saves_the_batch_it_holds():
     pipe.close(), other.close()
 
 
+def test_a_checkpoint_records_the_prompts_after_the_batches_still_in_production(monkeypatch):
+    """A save while batch 4 is being generated: the saved prompt position, carry and count are the ones after
+    it (the checkpoint holds it), never a mid-batch position read before the drain (a killed k=2 run then
+    resumed with batch 5 on other prompts: a CI flake)."""
+    from types import SimpleNamespace
+
+    from megatron_dapo.loop import state as state_mod
+
+    prompts = SimpleNamespace(position=3)
+    prompts.state_dict = lambda: {"position": prompts.position}
+    release = threading.Event()
+
+    def produce(step: int) -> StepRollout:
+        release.wait(timeout=30)
+        prompts.position += 1  # the producer pulls the batch's prompts and leaves groups to carry
+        run.carry = SimpleNamespace(state_dict=lambda: [f"aborted in batch {step}"])
+        return StepRollout([group("a", 0)], DynamicSamplingStats(1, 1, 1, 1.0, False), [group("a", 0)])
+
+    pipe = RolloutPipeline(threads=1, depth=2, version=2)
+    pipe.produce = produce
+    pipe.start(4)
+    saved = {}
+    monkeypatch.setattr(state_mod, "save_checkpoint", lambda *a, trainer_state, **kw: saved.update(trainer_state))
+    run = SimpleNamespace(prompts=prompts, alarms=SimpleNamespace(state_dict=dict), samples_generated=0,
+                          cfg=Config(), carry=PartialCarry(), pipeline=pipe, phases=SimpleNamespace(train=lambda: None),
+                          actor=None, ckpt_root=None, hf_dir=None)
+    threading.Timer(0.2, release.set).start()
+    state_mod.RunState.save(run, 2)
+    pipe.close()
+    assert saved["pending"]["step"] == 4
+    assert saved["data"] == {"position": 4} and saved["carry"] == ["aborted in batch 4"]
+
 def test_the_producer_takes_half_of_the_threads_unless_the_engine_has_its_own():
     import torch
 

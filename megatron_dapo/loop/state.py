@@ -112,10 +112,11 @@ class RunState:
     # --- checkpoints and the end ----------------------------------------------------------------------
 
     def save(self, step: int) -> None:
+        # first: the batches still in production finish, and they move the prompts, the carry and the count
+        pending = self.pipeline.state_dict() if self.pipeline is not None else None
         state = {"data": self.prompts.state_dict() if self.prompts else None, "alarms": self.alarms.state_dict(),
                  "samples_generated": self.samples_generated, "config": to_dict(self.cfg),
-                 "carry": self.carry.state_dict(),
-                 "pending": self.pipeline.state_dict() if self.pipeline is not None else None}
+                 "carry": self.carry.state_dict(), "pending": pending}
         self.phases.train()  # the actor's state on its device (it may sleep through the rollout)
         with helpers_shielded():  # megatron-core's writer processes (and, once, their Manager) start here
             save_checkpoint(self.actor, self.ckpt_root, step, trainer_state=state,
