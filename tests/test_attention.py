@@ -37,12 +37,14 @@ def core_attention():
     return SDPAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
 
 
+UNITS = torch.tensor([0] * 15 + [1] * 12 + [-1] * 3)
+SEGMENTS = torch.tensor([0] * 5 + [1] * 4 + [2] * 6 + [0] * 7 + [1] * 5 + [0] * 3)
+
+
 def packed_mask(batch: int) -> torch.Tensor:
     """Two units per sequence: a 5-token prefix and segments of 4 and 6, then a 7-token prefix and one segment
     of 5, then 3 padding positions (padding sees padding)."""
-    units = torch.tensor([0] * 15 + [1] * 12 + [-1] * 3)
-    segments = torch.tensor([0] * 5 + [1] * 4 + [2] * 6 + [0] * 7 + [1] * 5 + [0] * 3)
-    return block_mask(units, segments)[None, None].expand(batch, 1, -1, -1)
+    return block_mask(UNITS, SEGMENTS)[None, None].expand(batch, 1, -1, -1)
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -62,6 +64,34 @@ def test_sdpa_equals_the_unfused_attention(masked, dtype, tol):
     for got, want in zip(*results):
         assert got.shape == want.shape
         assert (got.float() - want.float()).abs().max() <= tol * max(1.0, want.float().abs().max())
+
+
+def test_the_blocks_compute_the_block_masks_attention():
+    """Inside attention_blocks, the packed batch's attention is computed block by block (a prefix; a segment
+    with its prefix): outputs and gradients equal the dense masked attention at every real position (padding
+    positions give 0 there, and nothing reads them); a second sequence lays out its units differently."""
+    from megatron_dapo.actor.attention import attention_blocks as computed_as
+    from megatron_dapo.actor.prefix import attention_blocks
+
+    torch.manual_seed(1)
+    units = torch.stack([UNITS, torch.tensor([0] * 9 + [1] * 18 + [-1] * 3)])
+    segments = torch.stack([SEGMENTS, torch.tensor([0] * 2 + [1] * 7 + [1] * 3 + [2] * 3 + [3] * 12 + [0] * 3)])
+    mask = torch.stack([block_mask(u, g) for u, g in zip(units, segments)]).unsqueeze(1)
+    s, b = units.shape[1], 2
+    real = (units >= 0).t()[..., None]  # [s, b, 1]
+    q = torch.randn(s, b, HEADS, DIM, requires_grad=True)
+    k, v = (torch.randn(s, b, GROUPS, DIM, requires_grad=True) for _ in range(2))
+    grad = torch.randn(s, b, HEADS * DIM) * real
+    blocks = attention_blocks(units, segments)
+    assert len(blocks) == 2 and int(sum(blk.valid.sum() for blk in blocks)) == int(real.sum())
+    results = []
+    for inside in (computed_as(blocks, (b, s)), computed_as(None, (b, s))):
+        with inside:
+            out = core_attention()(q, k, v, mask)
+        results.append((out * real, *torch.autograd.grad(out, (q, k, v), grad)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    assert torch.equal(results[1][0], core_attention()(q, k, v, mask) * real)  # outside: the dense mask again
 
 
 def test_the_local_spec_uses_it_unless_asked_for_megatrons():

@@ -104,9 +104,11 @@ def test_inf_logits_and_targets_outside_vocab(impl):
     assert torch.isfinite(leaf.grad).all() and (leaf.grad[:, 100:] == 0).all()
 
 
+@pytest.mark.parametrize("keep_bytes", [0, None], ids=["recomputed", "kept"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_linear_matches_oracle_on_materialised_logits(impl, dtype):
-    """hidden @ weight^T in token chunks (3 rows each) + kernels == the oracle on the full logits.
+def test_linear_matches_oracle_on_materialised_logits(impl, dtype, keep_bytes):
+    """hidden @ weight^T in token chunks (3 rows each) + kernels == the oracle on the full logits, the
+    backward recomputing each chunk's logits (keep_bytes=0) or taking the forward's (they fit the budget).
 
     bf16: the chunked and the full matmul may round logits differently, hence looser tolerances.
     """
@@ -123,13 +125,39 @@ def test_linear_matches_oracle_on_materialised_logits(impl, dtype):
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
         return lp.detach(), ent.detach(), h.grad, w.grad
 
-    got = run(lambda h, w: linear_logprobs_and_entropy(h, w, targets, impl=impl[0], chunk_bytes=3 * 300 * 4))
+    got = run(lambda h, w: linear_logprobs_and_entropy(h, w, targets, impl=impl[0], chunk_bytes=3 * 300 * 4,
+                                                       keep_bytes=keep_bytes))
     want = run(lambda h, w: reference_logprobs_and_entropy(h @ w.T, targets))
     tol = VALUE_TOL if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
     for a, b in zip(got, want):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a.float(), b.float(), **tol)
 
+
+
+@pytest.mark.parametrize(("keep_bytes", "backward_matmuls"),
+                         [(0, 4 * 3), (10 * 300 * 4, 2), (10 * 300 * 4 - 1, 4 * 3)])
+def test_the_backward_recomputes_the_logits_only_when_they_exceed_the_keep_budget(keep_bytes, backward_matmuls):
+    """10 rows in chunks of 3: recomputed, each chunk takes the logits matmul again plus grad_hidden and
+    grad_weight (4 chunks x 3); kept (all 10 rows' fp32 logits fit keep_bytes), the one block's two."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Matmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Matmuls.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm,
+                                                     torch.ops.aten.addmm_)
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(10, 16, generator=gen, requires_grad=True)
+    w = torch.randn(300, 16, generator=gen, requires_grad=True)
+    lp, ent = linear_logprobs_and_entropy(h, w, make_targets((10,), 300, "cpu"), impl="torch",
+                                          chunk_bytes=3 * 300 * 4, keep_bytes=keep_bytes)
+    with Matmuls():
+        (lp.sum() + ent.sum()).backward()
+    assert Matmuls.count == backward_matmuls
 
 
 def test_resolve_impl(monkeypatch):

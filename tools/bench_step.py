@@ -13,13 +13,15 @@ MLP 1536, 30 layers, 9 heads / 3 KV heads, head 64, vocabulary 49152, tied embed
 instruction, --mini-batches updates per step, no evaluation, dynamic sampling off (a random policy's groups
 are all wrong, so the step would otherwise be only generation rounds); --set adds overrides. --compare runs
 the same work twice, first as before issue 28 (the actor recomputes pi_old, computes every row's prompt, with
-Megatron's unfused attention: BEFORE), then as configured (AFTER), and reports step_ratio.
+Megatron's unfused attention: BEFORE; its output layer computes the loss tokens only, as since 2026-12-04, so
+BEFORE is faster than the code the issue measured), then as configured (AFTER), and reports step_ratio.
 Per step, read from TensorBoard: timing/{rollout,reward,old_logprob,update,weight_sync,step}_s (rollout
 includes reward, its scoring part), trained tokens = perf/tokens_per_s x timing/step_s (prompt + response
 tokens of every trained row), update tokens = the positions the updates computed, padding left out
 (perf/trained_tokens x (1 - perf/pad_frac), all updates: a shared prompt counts once), and
-update_flop_per_s = 6 x matmul_params x update tokens / update_s, where matmul_params are the weights of
-every linear layer and the (tied) output projection, i.e. forward 2N + backward 4N FLOPs per token;
+update_flop_per_s = 6 x (body x update tokens + head x output tokens) / update_s, where body is the weights
+of every linear layer, head the (tied) output projection's and output tokens the positions it computed
+(perf/output_tokens: the loss tokens, not the prompt), i.e. forward 2N + backward 4N FLOPs per token;
 attention's score / value products (causal: 2 x 30 x 576 x S per token and pass at length S, about 2% at
 S = 166, 3% at 260), norms, the embedding lookup and the loss are not counted. The peak is measured in the
 same invocation, before and after the runs (the higher one counts: the machine may be shared), with the same
@@ -155,7 +157,7 @@ def _children_cpu() -> float:
 def step_rows(tb: dict, cfg: dict) -> list[dict]:
     """One row per step: each phase's seconds, trained tokens, the positions the updates computed, the
     update's FLOPs and FLOP/s."""
-    rows, n = [], matmul_params(cfg)
+    rows, n, head = [], matmul_params(cfg), cfg["hidden_size"] * cfg["vocab_size"]
     for step in sorted(tb["timing/step_s"]):
         row = {"step": step, **{f"{p}_s": tb.get(f"timing/{p}_s", {}).get(step, 0.0) for p in PHASES}}
         row["trained_tokens"] = round(tb["perf/tokens_per_s"][step] * row["step_s"])
@@ -163,7 +165,8 @@ def step_rows(tb: dict, cfg: dict) -> list[dict]:
         row["update_tokens"] = round(computed * (1.0 - tb["perf/pad_frac"][step]))
         row["pad_frac"] = tb["perf/pad_frac"][step]
         row["prefix_saved_frac"] = tb["perf/prefix_saved_frac"][step]
-        row["update_flops"] = 6.0 * n * row["update_tokens"]
+        row["output_tokens"] = round(tb["perf/output_tokens"][step])
+        row["update_flops"] = 6.0 * ((n - head) * row["update_tokens"] + head * row["output_tokens"])
         row["update_flop_per_s"] = row["update_flops"] / row["update_s"] if row["update_s"] > 0 else 0.0
         rows.append(row)
     return rows

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import megatron_cpu, parallel
+from megatron_dapo.actor.attention import attention_blocks
 from megatron_dapo.actor.batching import MicroBatch, micro_batches, split_rows
 from megatron_dapo.actor.model import (
     ModelSpec,
@@ -111,15 +112,30 @@ class Actor:
     # --- logprobs --------------------------------------------------------------------------------
 
     def _token_stats(self, out: torch.Tensor, input_ids: torch.Tensor, entropy: bool = True,
-                     temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     temperature: float | None = None, needed: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The last stage's output -> logprob of token t and entropy at t, as [b, s] (position 0 = 0).
 
         `out`: logits [b, s, V/TP] in the model's dtype (loss_impl=logits; the kernels read them in fp32
         chunks, divide by the temperature as they load, and write their gradient into their storage),
         or the final hidden states [b, s, H] (loss_impl=linear: the output layer is fused into the
-        kernels, no logits tensor exists). Every position is computed (the last one's target is a dummy
-        and its result dropped): slicing the logits would cost a full-size gradient in backward."""
+        kernels, no logits tensor exists). With logits every position is computed (the last one's target
+        is a dummy and its result dropped): slicing them would cost a full-size gradient in backward.
+        With hidden states and `needed` ([b, s] bool), the output layer computes only the positions whose
+        statistics are needed (the loss tokens, not the prompt); the others read 0."""
         targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], 1)
+        if needed is not None and self.loss_impl == "linear":
+            at = torch.cat([needed[:, 1:], torch.zeros_like(needed[:, :1])], 1).to(out.device)  # t predicts t + 1
+            lp, ent = self._next_token_stats(out[at].unsqueeze(0), targets[at].unsqueeze(0), entropy, temperature)
+            lp, ent = (None if t is None else t.new_zeros(at.shape).masked_scatter(at, t[0]) for t in (lp, ent))
+        else:
+            lp, ent = self._next_token_stats(out, targets, entropy, temperature)
+        pad = lp.new_zeros(lp.shape[0], 1)
+        return torch.cat([pad, lp[:, :-1]], 1), None if ent is None else torch.cat([pad, ent[:, :-1]], 1)
+
+    def _next_token_stats(self, out: torch.Tensor, targets: torch.Tensor, entropy: bool, temperature: float | None
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprob of `targets` [b, n] and entropy at each of `out`'s positions [b, n, V/TP or H]."""
         weight = output_weight(self.module) if self.loss_impl == "linear" else None
         v_local = out.shape[-1] if weight is None else weight.shape[0]
         start = parallel.tp_rank() * v_local
@@ -127,17 +143,17 @@ class Actor:
         kw = {"tp_group": parallel.tp_group() if parallel.tp_size() > 1 else None, "vocab_start": start,
               "compute_entropy": entropy, "temperature": self.temperature if temperature is None else temperature}
         if weight is not None:
-            lp, ent = linear_logprobs_and_entropy(out, weight[:valid], targets, **kw)
-        else:
-            lp, ent = token_logprobs_and_entropy(out, targets, vocab_valid=valid,
-                                                 inplace_backward=out.requires_grad and not out.is_leaf, **kw)
-        pad = lp.new_zeros(lp.shape[0], 1)
-        return torch.cat([pad, lp[:, :-1]], 1), None if ent is None else torch.cat([pad, ent[:, :-1]], 1)
+            return linear_logprobs_and_entropy(out, weight[:valid], targets, **kw)
+        return token_logprobs_and_entropy(out, targets, vocab_valid=valid,
+                                          inplace_backward=out.requires_grad and not out.is_leaf, **kw)
 
     def _row_stats(self, mb: MicroBatch, out: torch.Tensor, entropy: bool = True,
-                   temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`_token_stats` of the sequences the model computed for `mb`, as [rows, width] of its rows."""
-        lp, ent = self._token_stats(out, mb.model_ids.to(out.device), entropy, temperature)
+                   temperature: float | None = None, loss_only: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_token_stats` of the sequences the model computed for `mb`, as [rows, width] of its rows;
+        `loss_only`: at its loss tokens only (the rest read 0)."""
+        needed = mb.model_loss_mask() if loss_only else None
+        lp, ent = self._token_stats(out, mb.model_ids.to(out.device), entropy, temperature, needed)
         return mb.to_rows(lp), None if ent is None else mb.to_rows(ent)
 
     def _forward(self, micro: list[MicroBatch], loss_func, forward_only: bool) -> list[Any]:
@@ -153,7 +169,9 @@ class Actor:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             ids, pos, mask = (t if t is None else t.to(parallel.device()) for t in mb.model_inputs())
-            with rotary_positions(self.module, None if mask is None else pos):
+            blocks = None if mb.packed is None else mb.packed.blocks
+            rotary = rotary_positions(self.module, None if mask is None else pos)
+            with rotary, attention_blocks(blocks, tuple(ids.shape)):
                 out = model(ids, pos, mask)
             return out, partial(loss_func, mb)
 
@@ -200,24 +218,32 @@ class Actor:
         self._check_awake()
         if batch.old_logprobs is None:
             raise ValueError("train_step needs batch.old_logprobs (call compute_logprobs first)")
-        history, counts = [], torch.zeros(3, dtype=torch.float64)
+        history, counts = [], torch.zeros(4, dtype=torch.float64)
         for _ in range(epochs):
             for mini in split_rows(batch, num_mini_batches):
                 micro = self._micro_batches(mini, self.cfg.micro_batch_tokens)
-                counts += torch.tensor([m.token_counts() for m in micro], dtype=torch.float64).sum(0)
+                counts += torch.tensor([(*m.token_counts(), self._output_positions(m)) for m in micro],
+                                       dtype=torch.float64).sum(0)
                 history.append(self._update(mini, micro))
         out = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
         return {**out, **self._perf_scalars(counts)}
 
+    def _output_positions(self, mb: MicroBatch) -> int:
+        """Positions the update's output layer computes: the loss tokens' (loss_impl=linear), else all."""
+        if self.loss_impl == "linear":
+            return int(mb.model_loss_mask().sum())
+        return mb.model_shape[0] * mb.model_shape[1]
+
     def _perf_scalars(self, counts: torch.Tensor) -> dict[str, float]:
         """Collective over DP. perf/trained_tokens: positions the updates computed (padding included);
         perf/pad_frac: the padding's share of them; perf/prefix_saved_frac: the share of the rows' tokens
-        not computed because a group's rows shared their prompt (actor.shared_prefix; 0 when off)."""
+        not computed because a group's rows shared their prompt (actor.shared_prefix; 0 when off);
+        perf/output_tokens: the positions of them the output layer computed (the loss tokens')."""
         if dist.is_initialized() and parallel.dp_size() > 1:
             dist.all_reduce(counts, group=parallel.dp_group())
-        computed, pad, rows = counts.tolist()
+        computed, pad, rows, output = counts.tolist()
         return {"perf/trained_tokens": computed, "perf/pad_frac": pad / max(computed, 1.0),
-                "perf/prefix_saved_frac": 1.0 - (computed - pad) / max(rows, 1.0)}
+                "perf/prefix_saved_frac": 1.0 - (computed - pad) / max(rows, 1.0), "perf/output_tokens": output}
 
     def _update(self, mini: TrainBatch, micro: list[MicroBatch]) -> dict[str, float]:
         counts = torch.tensor([float(mini.loss_mask.sum()), float((mini.loss_mask.sum(1) > 0).sum())])
@@ -229,7 +255,7 @@ class Actor:
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             dev = logits.device
-            lp, ent = self._row_stats(mb, logits, entropy=True)
+            lp, ent = self._row_stats(mb, logits, entropy=True, loss_only=True)
             is_weights = None if mb.is_weights is None else mb.is_weights.to(dev)
             loss, m = loss_from_logprobs(
                 lp, ent, mb.old_logprobs.to(dev), mb.advantages.to(dev), mb.loss_mask.to(dev),

@@ -11,12 +11,17 @@ differs (tests/test_attention.py). Transformer Engine's spec keeps TE's own atte
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_dapo.actor.prefix import AttentionBlocks
 
 
 class SDPAttention(MegatronModule):
@@ -42,6 +47,9 @@ class SDPAttention(MegatronModule):
                 attention_bias: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("model.local_attention=sdpa takes neither an attention bias nor packed_seq_params")
+        blocks = _BLOCKS.get()
+        if attention_mask is not None and blocks and blocks[1] == (query.shape[1], query.shape[0]):
+            return self._blockwise(query, key, value, blocks[0])
         mask_type = attn_mask_type or self.attn_mask_type
         causal = attention_mask is None and mask_type == AttnMaskType.causal
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads or groups, s, d]
@@ -50,3 +58,34 @@ class SDPAttention(MegatronModule):
             dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale,
             enable_gqa=q.shape[1] != k.shape[1])
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+    def _blockwise(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   blocks: list[AttentionBlocks]) -> torch.Tensor:
+        """The block mask's attention as its blocks (actor/prefix.py), each set of blocks one SDPA call:
+        only the pairs a block sees are computed; positions in no block (padding) give 0."""
+        sq, b, heads, d = query.shape
+        q, k, v = (t.transpose(0, 1).reshape(b * sq, t.shape[2], d) for t in (query, key, value))
+        out = q.new_zeros(b * sq, heads, d)
+        for blk in blocks:
+            dev = q.device
+            qb, kb, vb = (t[idx.to(dev)].transpose(1, 2)
+                          for t, idx in ((q, blk.queries), (k, blk.keys), (v, blk.keys)))
+            ob = F.scaled_dot_product_attention(
+                qb, kb, vb, attn_mask=blk.visible.to(dev), dropout_p=self.dropout if self.training else 0.0,
+                scale=self.softmax_scale, enable_gqa=heads != k.shape[1])
+            valid = blk.valid.to(dev)
+            out = out.index_put((blk.queries.to(dev)[valid],), ob.transpose(1, 2)[valid])
+        return out.view(b, sq, heads * d).transpose(0, 1).contiguous()
+
+
+_BLOCKS: ContextVar[tuple[list[AttentionBlocks], tuple[int, int]] | None] = ContextVar("blocks", default=None)
+
+
+@contextmanager
+def attention_blocks(blocks: list[AttentionBlocks] | None, shape: tuple[int, int]) -> Iterator[None]:
+    """Inside, the SDPA core attention computes a masked [P, L] (`shape`) batch as `blocks` (None: the mask)."""
+    token = _BLOCKS.set((blocks, shape) if blocks else None)
+    try:
+        yield
+    finally:
+        _BLOCKS.reset(token)

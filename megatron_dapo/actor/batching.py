@@ -50,6 +50,15 @@ class MicroBatch:
         """Per-token statistics of the model's sequences -> [rows, width]."""
         return stats if self.packed is None else self.packed.to_rows(stats)
 
+    def model_loss_mask(self) -> torch.Tensor:
+        """[sequences, length] bool: the model's positions whose statistics are a loss token's."""
+        mask = self.loss_mask > 0
+        if self.packed is None:
+            return mask
+        flat = torch.zeros(self.packed.input_ids.numel(), dtype=torch.bool)
+        flat[self.packed.gather[mask & self.packed.valid]] = True
+        return flat.view(self.packed.input_ids.shape)
+
     def token_counts(self) -> tuple[int, int, int]:
         """(positions the model computes, padding among them, row tokens): row tokens minus the computed
         non-padding ones is what sharing the prompts saved."""

@@ -12,7 +12,8 @@ the prefix (t = c-1: the first segment's copy, whose predecessor is the prefix's
 own segment. Several units can share one sequence (each sees its own positions only), which leaves little
 padding: `pack_bins`.
 
-Cost: the local attention is a dense masked softmax, length^2 per sequence with the masked pairs, so a
+Cost: Megatron's local attention is a dense masked softmax (the SDPA one computes `AttentionBlocks` instead,
+only the pairs the mask keeps, padded per block set), length^2 per sequence with the masked pairs, so a
 sequence of G long responses behind a short prompt can cost up to G times the G samples' attention, while
 every other layer computes fewer positions. A group's rows are shared only where that pays:
 L + pair_cost x L^2 for the packed unit at most the sum over its rows (`pair_cost`: one query-key pair's
@@ -21,7 +22,7 @@ attention FLOPs over one token's linear FLOPs, ModelSpec.attention_pair_cost).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +49,56 @@ class Unit:
 
 
 @dataclass
+class AttentionBlocks:
+    """Blocks of queries of the packed sequences, padded to one size: a block's queries attend to all of its
+    context and causally to themselves, which is the block mask restricted to them (a unit's prefix: no
+    context; a segment: its prefix). Indices are flat into [P * L]. The dense mask costs L^2 pairs per
+    sequence; the blocks cost the prefix's own causal square plus each segment x (prefix + segment)."""
+
+    queries: torch.Tensor
+    """[n, r] int64 (padding: 0)."""
+    keys: torch.Tensor
+    """[n, c + r] int64: the context's positions (padded to c), then the block's own (padded to r)."""
+    visible: torch.Tensor
+    """[n, 1, r, c + r] bool, True = attended; a padding query sees key 0 only (finite, discarded)."""
+    valid: torch.Tensor
+    """[n, r] bool: the block's real queries."""
+
+    @staticmethod
+    def of(blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> AttentionBlocks:
+        """From (context, own) flat index lists."""
+        r, c = max(len(own) for _, own in blocks), max(len(ctx) for ctx, _ in blocks)
+        n = len(blocks)
+        queries, keys = torch.zeros(n, r, dtype=torch.long), torch.zeros(n, c + r, dtype=torch.long)
+        visible, valid = torch.zeros(n, 1, r, c + r, dtype=torch.bool), torch.zeros(n, r, dtype=torch.bool)
+        for i, (ctx, own) in enumerate(blocks):
+            m, k = len(own), len(ctx)
+            queries[i, :m], valid[i, :m], keys[i, :k], keys[i, c : c + m] = own, True, ctx, own
+            visible[i, 0, :m, :k] = True
+            visible[i, 0, :m, c : c + m] = torch.ones(m, m, dtype=torch.bool).tril()
+            visible[i, 0, m:, 0] = True
+        return AttentionBlocks(queries, keys, visible, valid)
+
+
+def attention_blocks(unit_of: torch.Tensor, seg: torch.Tensor) -> list[AttentionBlocks]:
+    """The blocks of [P, L] packed sequences (`unit_of`, `seg` as block_mask takes them per sequence): the
+    prefixes in one padded set, the segments in another (their sizes differ)."""
+    width = unit_of.shape[1]
+    prefixes, segments = [], []
+    for p in range(unit_of.shape[0]):
+        for k in unit_of[p].unique().tolist():
+            if k < 0:
+                continue
+            mine = unit_of[p] == k
+            prefix = torch.nonzero(mine & (seg[p] == 0)).flatten() + p * width
+            if len(prefix):
+                prefixes.append((prefix[:0], prefix))
+            for j in seg[p][mine & (seg[p] > 0)].unique().tolist():
+                segments.append((prefix, torch.nonzero(mine & (seg[p] == j)).flatten() + p * width))
+    return [AttentionBlocks.of(b) for b in (prefixes, segments) if b]
+
+
+@dataclass
 class PackedRows:
     """The model's view of a micro-batch of units: P sequences of one or more units each, right-padded to L."""
 
@@ -64,6 +115,8 @@ class PackedRows:
     """[n, width] bool: t < length of row j (the rest is the row's padding and reads as 0)."""
     real_tokens: int
     """Positions of the packed sequences that are not padding."""
+    blocks: list[AttentionBlocks] = field(default_factory=list)
+    """The block mask as independent blocks of queries (the SDPA core attention computes only these pairs)."""
 
     def to_rows(self, stats: torch.Tensor) -> torch.Tensor:
         """[P, L] per-token statistics of the packed sequences -> [n, width] per row (differentiable)."""
@@ -219,4 +272,5 @@ def pack_units(batch: TrainBatch, bins: list[list[Unit]], pad_id: int = 0) -> Pa
             start += len(lay.tokens)
     valid = torch.arange(gather.shape[1])[None, :] < torch.tensor(lengths)[:, None]
     mask = torch.stack([block_mask(u, s) for u, s in zip(unit_of, seg)]).unsqueeze(1)
-    return PackedRows(ids, pos, mask, gather, valid, real_tokens=int((unit_of >= 0).sum()))
+    return PackedRows(ids, pos, mask, gather, valid, real_tokens=int((unit_of >= 0).sum()),
+                      blocks=attention_blocks(unit_of, seg))
