@@ -130,7 +130,7 @@ def test_the_output_layer_computes_exactly_the_loss_tokens_positions(shared):
     rows it is the loss mask (so no prompt position is marked)."""
     batch = grouped_batch()
     for mb in micro_batches(batch, 40, shared_prefix=shared):
-        needed = mb.model_loss_mask()
+        needed = mb.model_loss_mask
         assert needed.shape == mb.model_shape and (mb.packed is not None) == shared
         assert torch.equal(mb.to_rows(needed.float()), (mb.loss_mask > 0).float())
         loss_tokens = int((mb.loss_mask > 0).sum())  # rows may share their first response tokens: fewer positions

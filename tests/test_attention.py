@@ -71,7 +71,7 @@ def test_the_blocks_compute_the_block_masks_attention():
     with its prefix): outputs and gradients equal the dense masked attention at every real position (padding
     positions give 0 there, and nothing reads them); a second sequence lays out its units differently."""
     from megatron_dapo.actor.attention import attention_blocks as computed_as
-    from megatron_dapo.actor.prefix import attention_blocks
+    from megatron_dapo.actor.prefix import blocks_of
 
     torch.manual_seed(1)
     units = torch.stack([UNITS, torch.tensor([0] * 9 + [1] * 18 + [-1] * 3)])
@@ -82,7 +82,7 @@ def test_the_blocks_compute_the_block_masks_attention():
     q = torch.randn(s, b, HEADS, DIM, requires_grad=True)
     k, v = (torch.randn(s, b, GROUPS, DIM, requires_grad=True) for _ in range(2))
     grad = torch.randn(s, b, HEADS * DIM) * real
-    blocks = attention_blocks(units, segments)
+    blocks = blocks_of(units, segments)
     assert len(blocks) == 2 and int(sum(blk.valid.sum() for blk in blocks)) == int(real.sum())
     results = []
     for inside in (computed_as(blocks, (b, s)), computed_as(None, (b, s))):

@@ -152,7 +152,7 @@ class Actor:
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_token_stats` of the sequences the model computed for `mb`, as [rows, width] of its rows;
         `loss_only`: at its loss tokens only (the rest read 0)."""
-        needed = mb.model_loss_mask() if loss_only else None
+        needed = mb.model_loss_mask if loss_only else None
         lp, ent = self._token_stats(out, mb.model_ids.to(out.device), entropy, temperature, needed)
         return mb.to_rows(lp), None if ent is None else mb.to_rows(ent)
 
@@ -171,7 +171,7 @@ class Actor:
             ids, pos, mask = (t if t is None else t.to(parallel.device()) for t in mb.model_inputs())
             blocks = None if mb.packed is None else mb.packed.blocks
             rotary = rotary_positions(self.module, None if mask is None else pos)
-            with rotary, attention_blocks(blocks, tuple(ids.shape)):
+            with rotary, attention_blocks(blocks, tuple(ids.shape), ids.device):
                 out = model(ids, pos, mask)
             return out, partial(loss_func, mb)
 
@@ -231,7 +231,7 @@ class Actor:
     def _output_positions(self, mb: MicroBatch) -> int:
         """Positions the update's output layer computes: the loss tokens' (loss_impl=linear), else all."""
         if self.loss_impl == "linear":
-            return int(mb.model_loss_mask().sum())
+            return int(mb.model_loss_mask.sum())
         return mb.model_shape[0] * mb.model_shape[1]
 
     def _perf_scalars(self, counts: torch.Tensor) -> dict[str, float]:

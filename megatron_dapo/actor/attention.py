@@ -66,15 +66,12 @@ class SDPAttention(MegatronModule):
         sq, b, heads, d = query.shape
         q, k, v = (t.transpose(0, 1).reshape(b * sq, t.shape[2], d) for t in (query, key, value))
         out = q.new_zeros(b * sq, heads, d)
-        for blk in blocks:
-            dev = q.device
-            qb, kb, vb = (t[idx.to(dev)].transpose(1, 2)
-                          for t, idx in ((q, blk.queries), (k, blk.keys), (v, blk.keys)))
+        for blk in blocks:  # on the activations' device (attention_blocks)
+            qb, kb, vb = (t[idx].transpose(1, 2) for t, idx in ((q, blk.queries), (k, blk.keys), (v, blk.keys)))
             ob = F.scaled_dot_product_attention(
-                qb, kb, vb, attn_mask=blk.visible.to(dev), dropout_p=self.dropout if self.training else 0.0,
+                qb, kb, vb, attn_mask=blk.visible, dropout_p=self.dropout if self.training else 0.0,
                 scale=self.softmax_scale, enable_gqa=heads != k.shape[1])
-            valid = blk.valid.to(dev)
-            out = out.index_put((blk.queries.to(dev)[valid],), ob.transpose(1, 2)[valid])
+            out = out.index_put((blk.queries[blk.valid],), ob.transpose(1, 2)[blk.valid])
         return out.view(b, sq, heads * d).transpose(0, 1).contiguous()
 
 
@@ -82,9 +79,11 @@ _BLOCKS: ContextVar[tuple[list[AttentionBlocks], tuple[int, int]] | None] = Cont
 
 
 @contextmanager
-def attention_blocks(blocks: list[AttentionBlocks] | None, shape: tuple[int, int]) -> Iterator[None]:
-    """Inside, the SDPA core attention computes a masked [P, L] (`shape`) batch as `blocks` (None: the mask)."""
-    token = _BLOCKS.set((blocks, shape) if blocks else None)
+def attention_blocks(blocks: list[AttentionBlocks] | None, shape: tuple[int, int],
+                     device: torch.device | str = "cpu") -> Iterator[None]:
+    """Inside, the SDPA core attention computes a masked [P, L] (`shape`) batch as `blocks` (None: the mask),
+    moved to `device` once for all the layers."""
+    token = _BLOCKS.set(([blk.to(device) for blk in blocks], shape) if blocks else None)
     try:
         yield
     finally:

@@ -4,6 +4,7 @@ or with each group's shared prompt computed once (actor/prefix.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -50,8 +51,10 @@ class MicroBatch:
         """Per-token statistics of the model's sequences -> [rows, width]."""
         return stats if self.packed is None else self.packed.to_rows(stats)
 
+    @cached_property
     def model_loss_mask(self) -> torch.Tensor:
-        """[sequences, length] bool: the model's positions whose statistics are a loss token's."""
+        """[sequences, length] bool: the model's positions whose statistics are a loss token's (the update
+        counts them, then its loss reads them)."""
         mask = self.loss_mask > 0
         if self.packed is None:
             return mask

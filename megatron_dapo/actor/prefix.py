@@ -79,8 +79,11 @@ class AttentionBlocks:
             visible[i, 0, m:, 0] = True
         return AttentionBlocks(queries, keys, visible, valid)
 
+    def to(self, device: torch.device) -> AttentionBlocks:
+        return AttentionBlocks(*(t.to(device) for t in (self.queries, self.keys, self.visible, self.valid)))
 
-def attention_blocks(unit_of: torch.Tensor, seg: torch.Tensor) -> list[AttentionBlocks]:
+
+def blocks_of(unit_of: torch.Tensor, seg: torch.Tensor) -> list[AttentionBlocks]:
     """The blocks of [P, L] packed sequences (`unit_of`, `seg` as block_mask takes them per sequence): the
     prefixes in one padded set, the segments in another (their sizes differ)."""
     width = unit_of.shape[1]
@@ -273,4 +276,4 @@ def pack_units(batch: TrainBatch, bins: list[list[Unit]], pad_id: int = 0) -> Pa
     valid = torch.arange(gather.shape[1])[None, :] < torch.tensor(lengths)[:, None]
     mask = torch.stack([block_mask(u, s) for u, s in zip(unit_of, seg)]).unsqueeze(1)
     return PackedRows(ids, pos, mask, gather, valid, real_tokens=int((unit_of >= 0).sum()),
-                      blocks=attention_blocks(unit_of, seg))
+                      blocks=blocks_of(unit_of, seg))
