@@ -114,5 +114,9 @@ class TrainBatch:
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
+    def generated(self) -> torch.Tensor:
+        """[B, S] bool: the generated tokens (response_mask; the loss mask's when there is none)."""
+        return (self.loss_mask if self.response_mask is None else self.response_mask) > 0
+
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

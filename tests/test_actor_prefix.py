@@ -125,16 +125,20 @@ def test_to_rows_maps_statistics_back_and_zeroes_padding():
 
 
 @pytest.mark.parametrize("shared", [True, False])
-def test_the_output_layer_computes_exactly_the_loss_tokens_positions(shared):
-    """model_loss_mask marks the model's positions whose statistics a loss token reads: mapped back to the
-    rows it is the loss mask (so no prompt position is marked)."""
+@pytest.mark.parametrize("which", ["loss", "response"])
+def test_the_output_layer_computes_exactly_the_needed_positions(shared, which):
+    """model_loss_mask (the update's) and model_response_mask (pi_old's) mark the model's positions whose
+    statistics a loss / generated token reads: mapped back to the rows they are the loss / response mask (so
+    no prompt position is marked; the truncated response is generated but out of the loss)."""
     batch = grouped_batch()
+    assert (batch.response_mask > batch.loss_mask).any()
     for mb in micro_batches(batch, 40, shared_prefix=shared):
-        needed = mb.model_loss_mask
+        needed = mb.model_loss_mask if which == "loss" else mb.model_response_mask()
+        rows = mb.loss_mask if which == "loss" else mb.response_mask
         assert needed.shape == mb.model_shape and (mb.packed is not None) == shared
-        assert torch.equal(mb.to_rows(needed.float()), (mb.loss_mask > 0).float())
-        loss_tokens = int((mb.loss_mask > 0).sum())  # rows may share their first response tokens: fewer positions
-        assert 0 < int(needed.sum()) <= loss_tokens and (int(needed.sum()) == loss_tokens or shared)
+        assert torch.equal(mb.to_rows(needed.float()), (rows > 0).float())
+        tokens = int((rows > 0).sum())  # rows may share their first response tokens: fewer positions
+        assert 0 < int(needed.sum()) <= tokens and (int(needed.sum()) == tokens or shared)
         assert not needed[:, 0].any() and int(needed.sum()) < mb.model_shape[0] * mb.model_shape[1]
 
 
@@ -200,6 +204,7 @@ def test_shared_prefix_equals_per_row(model_dirs, tmp_path, python_env, family, 
             valid = torch.arange(off["logprobs"].shape[1])[None, :] < lengths[:, None]
             for key in ("logprobs", "entropy"):  # pi_old
                 assert (on[key] - off[key])[valid].abs().max() < 2e-6, (case, key)
+            check_responses_only(rank[case]["response_mask"] > 0, off, on, case)
             # the loss is a mean of advantage-weighted ratios of those logprobs: it inherits their 2e-6 (SDPA's
             # blocks over a packed sequence round differently from those over a row)
             for key in ("loss", "tokens", "clipfrac_high", "clipfrac_low", "entropy", "approx_kl", "grad_norm"):
@@ -209,6 +214,17 @@ def test_shared_prefix_equals_per_row(model_dirs, tmp_path, python_env, family, 
                 check_grad(on["grads"][name], g, moe=family.endswith("moe"), what=f"{case} {name}")
             linear = CASES[case][0] == "linear"
             check_token_monitors(off["metrics"], on["metrics"], int(lengths.sum()), linear=linear)
+
+
+def check_responses_only(generated: torch.Tensor, off: dict, on: dict, case: str) -> None:
+    """compute_logprobs(responses_only=True) (pi_old's: the output layer skips the prompt): every position's
+    statistics at the generated tokens, 0 at the others."""
+    assert generated.any() and not generated.all()
+    for got in (off, on):
+        for k, key in enumerate(("logprobs", "entropy")):
+            resp = got["responses"][k]
+            assert (resp - got[key])[generated].abs().max() < 2e-6, (case, key)
+            assert not resp[~generated].any(), (case, key)
 
 
 def check_grad(got: torch.Tensor, want: torch.Tensor, *, moe: bool, what: str) -> None:

@@ -148,11 +148,10 @@ class Actor:
                                           inplace_backward=out.requires_grad and not out.is_leaf, **kw)
 
     def _row_stats(self, mb: MicroBatch, out: torch.Tensor, entropy: bool = True,
-                   temperature: float | None = None, loss_only: bool = False
+                   temperature: float | None = None, needed: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_token_stats` of the sequences the model computed for `mb`, as [rows, width] of its rows;
-        `loss_only`: at its loss tokens only (the rest read 0)."""
-        needed = mb.model_loss_mask if loss_only else None
+        `needed` ([sequences, length] bool): at those positions only (the rest read 0)."""
         lp, ent = self._token_stats(out, mb.model_ids.to(out.device), entropy, temperature, needed)
         return mb.to_rows(lp), None if ent is None else mb.to_rows(ent)
 
@@ -186,17 +185,19 @@ class Actor:
                              pair_cost=self.spec.attention_pair_cost())
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, *, temperature: float | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_logprobs(self, batch: TrainBatch, *, temperature: float | None = None,
+                         responses_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token logprobs and entropies [B, S] of `batch` under the current policy (all ranks), at the
-        rollout's temperature unless `temperature` is given."""
+        rollout's temperature unless `temperature` is given. `responses_only`: at the generated tokens only
+        (response_mask, else loss_mask; the rest read 0; loss_impl=linear's output layer skips the prompt)."""
         self._check_awake(("weights",))
         micro = self._micro_batches(batch, self.cfg.logprob_micro_batch_tokens)
         out_lp = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         out_ent = torch.zeros_like(out_lp)
 
         def collect(mb: MicroBatch, logits: torch.Tensor):
-            lp, ent = self._row_stats(mb, logits, temperature=temperature)
+            needed = mb.model_response_mask() if responses_only else None
+            lp, ent = self._row_stats(mb, logits, temperature=temperature, needed=needed)
             width = mb.shape[1]
             out_lp[mb.rows, :width] = lp.cpu()
             out_ent[mb.rows, :width] = ent.cpu()
@@ -208,6 +209,8 @@ class Actor:
         if parallel.pp_size() > 1:
             for t in (out_lp, out_ent):
                 dist.broadcast(t, parallel.last_stage_global_rank(), group=parallel.pp_group())
+        if responses_only:  # loss_impl=logits computed every position
+            out_lp, out_ent = out_lp * batch.generated(), out_ent * batch.generated()
         return out_lp, out_ent
 
     # --- the DAPO update ---------------------------------------------------------------------------
@@ -255,7 +258,7 @@ class Actor:
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             dev = logits.device
-            lp, ent = self._row_stats(mb, logits, entropy=True, loss_only=True)
+            lp, ent = self._row_stats(mb, logits, entropy=True, needed=mb.model_loss_mask)
             is_weights = None if mb.is_weights is None else mb.is_weights.to(dev)
             loss, m = loss_from_logprobs(
                 lp, ent, mb.old_logprobs.to(dev), mb.advantages.to(dev), mb.loss_mask.to(dev),

@@ -26,6 +26,7 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None
     is_weights: torch.Tensor | None = None
     packed: PackedRows | None = None
+    response_mask: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -55,7 +56,16 @@ class MicroBatch:
     def model_loss_mask(self) -> torch.Tensor:
         """[sequences, length] bool: the model's positions whose statistics are a loss token's (the update
         counts them, then its loss reads them)."""
-        mask = self.loss_mask > 0
+        return self.model_mask(self.loss_mask > 0)
+
+    def model_response_mask(self) -> torch.Tensor:
+        """[sequences, length] bool: the model's positions of generated tokens (the loss mask's without a
+        response mask)."""
+        return self.model_mask((self.loss_mask if self.response_mask is None else self.response_mask) > 0)
+
+    def model_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """A [rows, width] bool mask of the rows' tokens -> the same tokens' positions in the model's
+        sequences."""
         if self.packed is None:
             return mask
         flat = torch.zeros(self.packed.input_ids.numel(), dtype=torch.bool)
@@ -114,7 +124,8 @@ def _micro_batch(batch: TrainBatch, rows: list[int], packed: PackedRows | None =
         rows=idx, input_ids=ids, position_ids=torch.arange(width).unsqueeze(0).expand(len(rows), -1),
         lengths=batch.lengths[idx], loss_mask=batch.loss_mask[idx, :width], advantages=batch.advantages[idx],
         old_logprobs=None if batch.old_logprobs is None else batch.old_logprobs[idx, :width],
-        is_weights=None if batch.is_weights is None else batch.is_weights[idx, :width], packed=packed)
+        is_weights=None if batch.is_weights is None else batch.is_weights[idx, :width], packed=packed,
+        response_mask=None if batch.response_mask is None else batch.response_mask[idx, :width])
 
 
 def _packed_micro_batch(batch: TrainBatch, bins: list[list[Unit]]) -> MicroBatch:

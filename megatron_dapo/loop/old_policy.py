@@ -78,10 +78,11 @@ def resolve_old_logprob_source(algo: AlgoConfig, rollout: RolloutConfig, correct
 
 def old_logprobs(actor: Actor, batch: TrainBatch,
                  source: OldLogprobSource) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log pi_old [B, S], token entropies [B, S] or None when no forward pass ran)."""
+    """(log pi_old [B, S], token entropies [B, S] or None when no forward pass ran), at the generated tokens
+    (the prompt's read 0: the loss, the correction and the monitors read responses only)."""
     if source.source == "rollout":
         return batch.rollout_logprobs.clone(), None
-    return actor.compute_logprobs(batch)
+    return actor.compute_logprobs(batch, responses_only=True)
 
 
 def apply_rollout_correction(batch: TrainBatch, algo: AlgoConfig, correction: str) -> dict[str, float]:
