@@ -1,4 +1,5 @@
-"""CUDA-only: the Transformer Engine layer spec in bf16 against the local spec in fp32 (same HF weights)."""
+"""CUDA-only: the Transformer Engine layer spec in bf16 against the local spec in fp32 (same HF weights), and
+TE's packed rows (Megatron's thd format) against its right-padded batch."""
 
 import os
 import subprocess
@@ -19,9 +20,12 @@ hf_dir, out = sys.argv[1], sys.argv[2]
 cfg = make_cfg(1, 1)
 parallel.initialize(cfg.parallel, seed=7)
 res = {}
-for name, impl, dtype in [("local", "local", "float32"), ("te", "transformer_engine", "bfloat16")]:
+for name, impl, dtype in [("local", "local", "float32"), ("te", "transformer_engine", "bfloat16"),
+                          ("te_padded", "transformer_engine", "bfloat16")]:
     cfg.model.transformer_impl, cfg.model.dtype = impl, dtype
     actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor)
+    if name == "te_padded":
+        actor.thd = 0  # a right-padded batch instead of Megatron's thd packing
     b = fixed_batch()
     res[name] = actor.compute_logprobs(b)
     b.old_logprobs = res[name][0]
@@ -49,4 +53,8 @@ def test_te_bf16_logprobs_match_local_fp32(tmp_path, python_env):
     diff = (res["te"][0][:, 1:] - res["local"][0][:, 1:])[valid].abs()
     assert diff.mean() < 0.05 and diff.max() < 0.3  # bf16 weights and activations
     assert res["te_metrics"]["update_ok"] == 1.0
+    # the rows packed in thd format (cu_seqlens through TE's attention): the padded batch's function, no padding
+    packed = (res["te"][0][:, 1:] - res["te_padded"][0][:, 1:])[valid].abs()
+    assert packed.mean() < 0.02 and packed.max() < 0.2
+    assert res["te_metrics"]["perf/pad_frac"] == 0.0 < res["te_padded_metrics"]["perf/pad_frac"]
     assert torch.isfinite(res["te_after_wake"]).all()

@@ -1,8 +1,9 @@
 """actor.shared_prefix: each group's prompt computed once (actor/prefix.py). The packed layout gives every
 position exactly the (position, token) context it has in its own row (checked here without a model); the
 Megatron actor then gives the same pi_old logprobs, losses and gradients as per row at TP1, TP2 and PP2, and
-for a mixture-of-experts model (tests/workers/prefix_worker.py under torchrun, gloo); and the step's token
-monitors."""
+for a mixture-of-experts model (tests/workers/prefix_worker.py under torchrun, gloo), as do rows packed in
+Megatron's thd format against a right-padded batch, and Megatron's dense-mask attention against SDPA's blocks;
+and the step's token monitors."""
 
 import subprocess
 import sys
@@ -121,7 +122,7 @@ def test_to_rows_maps_statistics_back_and_zeroes_padding():
     want = torch.arange(rows.shape[1]).float().expand_as(rows) * packed.valid
     assert torch.equal(rows, want)
     rows.sum().backward()  # a shared prefix position collects the gradient of every row that reads it
-    assert stats.grad[0, 0] == 4
+    assert stats.grad[0, 1] == 4 and stats.grad[0, 0] == 0  # position 0 has no predecessor: no statistic
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -214,6 +215,22 @@ def test_shared_prefix_equals_per_row(model_dirs, tmp_path, python_env, family, 
                 check_grad(on["grads"][name], g, moe=family.endswith("moe"), what=f"{case} {name}")
             linear = CASES[case][0] == "linear"
             check_token_monitors(off["metrics"], on["metrics"], int(lengths.sum()), linear=linear)
+            check_packed_rows(off, rank[case]["padded"], valid, family.endswith("moe"), case)
+            if "dense" in rank[case]:
+                check_dense_mask(on, rank[case]["dense"], valid, family.endswith("moe"))
+
+
+def check_packed_rows(thd: dict, padded: dict, valid: torch.Tensor, moe: bool, case: str) -> None:
+    """Rows packed into one sequence (Megatron's thd format, per-sequence causal SDPA) against the same rows
+    right-padded: the same statistics, losses and gradients, and no padding computed."""
+    for key in ("logprobs", "entropy"):
+        assert (thd[key] - padded[key])[valid].abs().max() < 2e-6, (case, key)
+    for key in ("loss", "tokens", "clipfrac_high", "clipfrac_low", "entropy", "approx_kl", "grad_norm"):
+        assert thd["metrics"][key] == pytest.approx(padded["metrics"][key], rel=1e-5, abs=1e-6), (case, key)
+    for name, g in padded["grads"].items():
+        check_grad(thd["grads"][name], g, moe=moe, what=f"{case} thd {name}")
+    assert thd["metrics"]["perf/pad_frac"] == 0.0 < padded["metrics"]["perf/pad_frac"]
+    assert thd["metrics"]["perf/trained_tokens"] < padded["metrics"]["perf/trained_tokens"]
 
 
 def check_responses_only(generated: torch.Tensor, off: dict, on: dict, case: str) -> None:
@@ -225,6 +242,16 @@ def check_responses_only(generated: torch.Tensor, off: dict, on: dict, case: str
             resp = got["responses"][k]
             assert (resp - got[key])[generated].abs().max() < 2e-6, (case, key)
             assert not resp[~generated].any(), (case, key)
+
+
+def check_dense_mask(on: dict, dense: dict, valid: torch.Tensor, moe: bool) -> None:
+    """Shared prefix with Megatron's attention (the dense block mask, units in sequences as long as the
+    longest) against SDPA's (its blocks, a micro-batch's units in one sequence): the same function."""
+    assert dense["shared"] and dense["metrics"]["perf/pad_frac"] > 0.0 == on["metrics"]["perf/pad_frac"]
+    assert (dense["logprobs"] - on["logprobs"])[valid].abs().max() < 2e-6
+    assert dense["metrics"]["loss"] == pytest.approx(on["metrics"]["loss"], rel=1e-5, abs=1e-6)
+    for name, g in on["grads"].items():
+        check_grad(dense["grads"][name], g, moe=moe, what=f"dense {name}")
 
 
 def check_grad(got: torch.Tensor, want: torch.Tensor, *, moe: bool, what: str) -> None:
@@ -244,11 +271,12 @@ def check_token_monitors(off: dict, on: dict, row_tokens: int, linear: bool) -> 
     def real(m: dict) -> float:
         return m["perf/trained_tokens"] * (1 - m["perf/pad_frac"])
 
-    assert off["perf/prefix_saved_frac"] == 0.0 and off["perf/pad_frac"] > 0
+    assert off["perf/prefix_saved_frac"] == 0.0 and off["perf/pad_frac"] == 0.0  # rows packed (thd)
     assert real(off) == pytest.approx(row_tokens)
     assert on["perf/trained_tokens"] < off["perf/trained_tokens"]
     assert real(on) == pytest.approx(row_tokens * (1 - on["perf/prefix_saved_frac"]))
     assert on["perf/prefix_saved_frac"] > 0.3
+    assert on["perf/pad_frac"] == 0.0  # SDPA: a micro-batch's units in one sequence, its mask as blocks
     if linear:  # the output layer computes the loss tokens only (fewer when shared: common first response tokens)
         assert 0 < on["perf/output_tokens"] <= off["perf/output_tokens"] < real(off)
     else:

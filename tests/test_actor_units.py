@@ -64,6 +64,36 @@ def test_pack_rows_respects_the_token_budget():
     assert pack_rows(lengths, 20) == packs  # deterministic
 
 
+def test_rows_packed_one_after_the_other():
+    """pack_sequences (Megatron's thd format): the rows' tokens back to back at their own positions, cu_seqlens
+    at their starts, the map back to the rows; padded to a multiple with a sequence of padding; and the
+    micro-batches' sum of lengths within the budget."""
+    from megatron_dapo.actor.batching import pack_sequences
+
+    b = TrainBatch(input_ids=torch.arange(40).view(4, 10), loss_mask=torch.ones(4, 10),
+                   advantages=torch.zeros(4), lengths=torch.tensor([10, 4, 6, 3]))
+    packed = pack_sequences(b, [2, 1, 3], multiple=4)
+    assert packed.input_ids.tolist() == [[*range(20, 26), *range(10, 14), *range(30, 33), 0, 0, 0]]
+    assert packed.position_ids.tolist() == [[*range(6), *range(4), *range(3), *range(3)]]
+    assert packed.cu_seqlens.tolist() == [0, 6, 10, 13, 16] and packed.cu_seqlens.dtype == torch.int32
+    assert packed.attention_mask is None and packed.real_tokens == 13
+    stats = packed.input_ids.float()
+    rows = packed.to_rows(stats)
+    want = b.input_ids[[2, 1, 3], :6].float() * (torch.arange(6) < torch.tensor([6, 4, 3])[:, None])
+    want[:, 0] = 0  # position 0 has no statistic
+    assert torch.equal(rows, want)
+    assert pack_sequences(b, [0, 1], multiple=1).cu_seqlens.tolist() == [0, 10, 14]
+    lengths = [10, 3, 7, 10, 2, 30, 5]
+    packs = pack_rows(lengths, token_budget=20, padded=False)
+    assert sorted(i for p in packs for i in p) == list(range(len(lengths)))
+    assert all(len(p) == 1 or sum(lengths[i] for i in p) <= 20 for p in packs) and [5] in packs
+    mbs = micro_batches(b, token_budget=14, thd=1)
+    assert [m.rows.tolist() for m in mbs] == [[0], [2, 1, 3]]  # longest first, 13 <= 14 positions
+    assert all(m.token_counts()[1] == 0 for m in mbs)  # no padding computed
+    assert mbs[1].model_kwargs("cpu")["packed_seq_params"].max_seqlen_q == 6
+    assert micro_batches(b, token_budget=14)[0].model_kwargs("cpu") == {}
+
+
 def test_micro_batches_trim_padding():
     b = TrainBatch(input_ids=torch.arange(40).view(4, 10), loss_mask=torch.ones(4, 10),
                    advantages=torch.tensor([1.0, 2, 3, 4]), lengths=torch.tensor([10, 4, 6, 3]),

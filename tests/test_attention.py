@@ -1,10 +1,11 @@
 """model.local_attention=sdpa (actor/attention.py): the same function as the unfused attention written out in
 plain torch (grouped-query heads repeated, scores, masked float32 softmax, weighted values), outputs and
-gradients, for a causal sequence and for a packed shared-prefix sequence with its block mask and padding;
-and the layer spec that puts it in place of Megatron's DotProductAttention."""
+gradients, for a causal sequence, for a packed shared-prefix sequence with its block mask and padding, and
+for rows packed in Megatron's thd format; and the layer spec that puts it in place of Megatron's DotProductAttention."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -92,6 +93,32 @@ def test_the_blocks_compute_the_block_masks_attention():
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
     assert torch.equal(results[1][0], core_attention()(q, k, v, mask) * real)  # outside: the dense mask again
+
+
+def test_thd_packed_sequences_equal_each_sequence_on_its_own():
+    """Megatron's thd format (rows packed one after the other, actor/batching.py's pack_sequences): each
+    sequence's outputs and q/k/v gradients are those of the plain causal attention over it alone."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    torch.manual_seed(2)
+    lengths = [7, 1, 12, 4]
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    t = int(cu[-1])
+    q = torch.randn(t, HEADS, DIM, requires_grad=True)
+    k, v = (torch.randn(t, GROUPS, DIM, requires_grad=True) for _ in range(2))
+    grad = torch.randn(t, 1, HEADS * DIM)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                             max_seqlen_kv=max(lengths))
+    out = core_attention()(q, k, v, None, packed_seq_params=params)
+    assert out.shape == (t, 1, HEADS * DIM)
+    got = (out, *torch.autograd.grad(out, (q, k, v), grad))
+    pieces = [reference(*(x[a:b].unsqueeze(1) for x in (q, k, v)), None) for a, b in itertools.pairwise(cu)]
+    ref = torch.cat(pieces)
+    want = (ref, *torch.autograd.grad(ref, (q, k, v), grad))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="thd"):
+        core_attention()(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
 
 
 def test_the_local_spec_uses_it_unless_asked_for_megatrons():

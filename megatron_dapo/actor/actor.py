@@ -17,6 +17,7 @@ from megatron_dapo.actor.model import (
     build_model,
     final_hidden_states,
     output_weight,
+    packs_sequences,
     param_dtype,
     rotary_positions,
     use_transformer_engine,
@@ -75,6 +76,7 @@ class Actor:
         if self.loss_impl == "linear" and par_cfg.sequence_parallel:
             raise ValueError("actor.loss_impl=linear does not support parallel.sequence_parallel (use logits or auto)")
         self.shared_prefix = actor_cfg.resolved_shared_prefix(use_transformer_engine(model_cfg))
+        self.thd = packs_sequences(model_cfg) * (par_cfg.tensor_parallel if par_cfg.sequence_parallel else 1)
         self._offload = HostOffload()
         self._last_update = ""  # the last optimizer step that went through, for the divergence message
 
@@ -169,9 +171,9 @@ class Actor:
             mb = next(data_iterator)
             ids, pos, mask = (t if t is None else t.to(parallel.device()) for t in mb.model_inputs())
             blocks = None if mb.packed is None else mb.packed.blocks
-            rotary = rotary_positions(self.module, None if mask is None else pos)
+            rotary = rotary_positions(self.module, pos if mb.rotary_positions else None)
             with rotary, attention_blocks(blocks, tuple(ids.shape), ids.device):
-                out = model(ids, pos, mask)
+                out = model(ids, pos, mask, **mb.model_kwargs(ids.device))
             return out, partial(loss_func, mb)
 
         seq = max(m.model_shape[1] for m in micro)
@@ -182,7 +184,7 @@ class Actor:
 
     def _micro_batches(self, batch: TrainBatch, token_budget: int) -> list[MicroBatch]:
         return micro_batches(batch, token_budget, shared_prefix=self.shared_prefix,
-                             pair_cost=self.spec.attention_pair_cost())
+                             pair_cost=self.spec.attention_pair_cost(), thd=self.thd)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, temperature: float | None = None,
@@ -293,12 +295,10 @@ class Actor:
     def _check_update(self, before: float, after: float) -> None:
         """Raise NonFiniteWeightsError when the step left inf/NaN weights or grew the largest one more than
         MAX_GROWTH times (`before`, `after`: the largest |weight| of all ranks)."""
-        if not math.isfinite(after):
-            what = "left inf/NaN in the weights"
-        elif after > MAX_GROWTH * before:
-            what = f"grew the largest weight from {before:.3g} to {after:.3g}"
-        else:
+        if math.isfinite(after) and after <= MAX_GROWTH * before:
             return
+        what = "left inf/NaN in the weights" if not math.isfinite(after) else \
+            f"grew the largest weight from {before:.3g} to {after:.3g}"
         raise NonFiniteWeightsError(f"the last update diverged: it {what} ({self._last_update}); stopped before "
                                     f"its weights were synced or saved (lower actor.optimizer.lr?)")
 
@@ -340,8 +340,7 @@ class Actor:
         t = max(tokens, 1.0)
         nonfinite = bad_grads > 0 or not all(map(torch.isfinite, stats[:-1]))
         return {"loss": loss, "tokens": tokens, "clipfrac_high": hi / t, "clipfrac_low": lo / t,
-                "clipfrac_dual": dual / t,
-                "entropy": ent / t, "approx_kl": kl / t, "lr": current_lr(self.optimizer),
+                "clipfrac_dual": dual / t, "entropy": ent / t, "approx_kl": kl / t, "lr": current_lr(self.optimizer),
                 "nonfinite": float(nonfinite)}
 
     # --- colocated hybrid engine ------------------------------------------------------------------

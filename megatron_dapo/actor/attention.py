@@ -45,10 +45,12 @@ class SDPAttention(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
                 attention_bias: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
-        if attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("model.local_attention=sdpa takes neither an attention bias nor packed_seq_params")
+        if attention_bias is not None:
+            raise ValueError("model.local_attention=sdpa takes no attention bias")
+        if packed_seq_params is not None:
+            return self._thd(query, key, value, packed_seq_params)
         blocks = _BLOCKS.get()
-        if attention_mask is not None and blocks and blocks[1] == (query.shape[1], query.shape[0]):
+        if blocks and blocks[1] == (query.shape[1], query.shape[0]):
             return self._blockwise(query, key, value, blocks[0])
         mask_type = attn_mask_type or self.attn_mask_type
         causal = attention_mask is None and mask_type == AttnMaskType.causal
@@ -58,6 +60,24 @@ class SDPAttention(MegatronModule):
             dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale,
             enable_gqa=q.shape[1] != k.shape[1])
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+    def _thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params) -> torch.Tensor:
+        """Megatron's thd format: query [t, heads, d], key / value [t, groups, d] hold the sequences of
+        `params.cu_seqlens_q` one after the other, each causal on its own. Computed as one right-padded
+        causal batch [sequences, heads, longest, d]: a real query sees no padding key, padding queries are
+        dropped. Returns [t, 1, heads * d]."""
+        if params.qkv_format != "thd" or not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
+            raise ValueError("model.local_attention=sdpa: packed sequences in thd format, the same for q and kv")
+        cu = params.cu_seqlens_q.long()
+        t, heads, d = query.shape
+        offsets = torch.arange(params.max_seqlen_q, device=query.device)
+        idx = (cu[:-1, None] + offsets).clamp(max=t - 1)  # [sequences, longest]
+        valid = offsets < (cu[1:] - cu[:-1])[:, None]
+        q, k, v = (x[idx].transpose(1, 2) for x in (query, key, value))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+                                             scale=self.softmax_scale, enable_gqa=heads != key.shape[1])
+        flat = query.new_zeros(t, heads, d).index_put((idx[valid],), out.transpose(1, 2)[valid])
+        return flat.view(t, 1, heads * d)
 
     def _blockwise(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    blocks: list[AttentionBlocks]) -> torch.Tensor:

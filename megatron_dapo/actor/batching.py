@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_dapo.actor.prefix import PackedRows, Unit, pack_bins, pack_units, prefix_units
 from megatron_dapo.types import TrainBatch
@@ -48,6 +49,22 @@ class MicroBatch:
             return self.input_ids, self.position_ids, None
         return self.packed.input_ids, self.packed.position_ids, self.packed.attention_mask
 
+    @property
+    def rotary_positions(self) -> bool:
+        """The model's rotary embedding must read position_ids: a shared-prefix layout's positions are its
+        rows' (thd rows restart at 0 where cu_seqlens says, which Megatron's rotary embedding reads)."""
+        return self.packed is not None and self.packed.cu_seqlens is None
+
+    def model_kwargs(self, device: torch.device | str) -> dict[str, PackedSeqParams]:
+        """The model's keyword arguments beyond model_inputs: Megatron's thd description of rows packed one
+        after the other (pack_sequences), on `device`."""
+        if self.packed is None or self.packed.cu_seqlens is None:
+            return {}
+        cu = self.packed.cu_seqlens.to(device)
+        longest = int((self.packed.cu_seqlens[1:] - self.packed.cu_seqlens[:-1]).max())
+        return {"packed_seq_params": PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                     max_seqlen_q=longest, max_seqlen_kv=longest)}
+
     def to_rows(self, stats: torch.Tensor) -> torch.Tensor:
         """Per-token statistics of the model's sequences -> [rows, width]."""
         return stats if self.packed is None else self.packed.to_rows(stats)
@@ -81,8 +98,9 @@ class MicroBatch:
         return computed, computed - real, rows_total
 
 
-def pack_rows(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Group row indices so that rows x longest length <= token_budget (a longer row goes alone).
+def pack_rows(lengths: list[int], token_budget: int, padded: bool = True) -> list[list[int]]:
+    """Group row indices so that the positions computed, rows x longest length (`padded`) or the sum of the
+    lengths (packed one after the other), are <= token_budget (a longer row goes alone).
 
     Rows are taken longest first so that similar lengths share a micro-batch (little padding);
     ties keep the original order, so packing is deterministic.
@@ -92,7 +110,8 @@ def pack_rows(lengths: list[int], token_budget: int) -> list[list[int]]:
     current: list[int] = []
     for i in order:
         longest = lengths[current[0]] if current else lengths[i]
-        if current and (len(current) + 1) * longest > token_budget:
+        cost = (len(current) + 1) * longest if padded else sum(lengths[j] for j in current) + lengths[i]
+        if current and cost > token_budget:
             packs.append(current)
             current = []
         current.append(i)
@@ -102,18 +121,46 @@ def pack_rows(lengths: list[int], token_budget: int) -> list[list[int]]:
 
 
 def micro_batches(batch: TrainBatch, token_budget: int, *, shared_prefix: bool = False,
-                  pair_cost: float = 0.0) -> list[MicroBatch]:
+                  pair_cost: float = 0.0, thd: int = 0) -> list[MicroBatch]:
     """Rows packed into micro-batches of <= token_budget computed positions (a longer sequence goes alone).
     `shared_prefix`: the rows of a group are computed as one unit with their common prefix once, and the
     units are packed into sequences as long as the longest one (actor/prefix.py); per row when no group of
-    the batch has two rows sharing a token, or where sharing would cost more (`pair_cost`: prefix.py)."""
+    the batch has two rows sharing a token, or where sharing would cost more (`pair_cost`: prefix.py).
+    `thd` > 0: the attention takes packed sequences (torch SDPA, TE): per row, a micro-batch's rows go into
+    one sequence without padding (pack_sequences, its length a multiple of `thd`); with `thd` = 1 so do the
+    units (SDPA computes the block mask as blocks, whatever the sequence's length); 0: a [rows, longest]
+    batch, right-padded, and units in sequences as long as the longest one (the dense mask costs L^2)."""
     if shared_prefix:
         units = prefix_units(batch, token_budget, pair_cost)
         if any(len(u.rows) > 1 for u in units):
-            micro = pack_bins([u.packed_len for u in units], token_budget)
-            return [_packed_micro_batch(batch, [[units[i] for i in seq] for seq in bins]) for bins in micro]
+            lengths = [u.packed_len for u in units]
+            micro = [[seq] for seq in pack_rows(lengths, token_budget, padded=False)] if thd == 1 \
+                else pack_bins(lengths, token_budget)
+            return [_packed_micro_batch(batch, [[units[i] for i in seq] for seq in bins], dense=not thd)
+                    for bins in micro]
     lengths = [int(n) for n in batch.lengths.tolist()]
+    if thd:
+        return [_micro_batch(batch, rows, pack_sequences(batch, rows, thd))
+                for rows in pack_rows(lengths, token_budget, padded=False)]
     return [_micro_batch(batch, rows) for rows in pack_rows(lengths, token_budget)]
+
+
+def pack_sequences(batch: TrainBatch, rows: list[int], multiple: int = 1) -> PackedRows:
+    """`rows` one after the other in one sequence [1, T], each causal on its own (Megatron's thd format:
+    cu_seqlens), each at its own positions 0..n-1; T is padded to a multiple of `multiple` (a sequence of
+    padding: sequence parallelism splits T over the tensor-parallel ranks)."""
+    lengths = [int(batch.lengths[r]) for r in rows]
+    pad = -sum(lengths) % multiple
+    spans = lengths + ([pad] if pad else [])
+    ids = torch.cat([batch.input_ids[r, :n] for r, n in zip(rows, lengths)]
+                    + [batch.input_ids.new_zeros(pad)])
+    pos = torch.cat([torch.arange(n) for n in spans])
+    cu = torch.tensor([0, *spans], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    width = max(lengths)
+    offsets = torch.arange(width)
+    gather = (cu[: len(rows), None].long() + offsets).clamp(max=len(ids) - 1)
+    valid = offsets[None, :] < torch.tensor(lengths)[:, None]
+    return PackedRows(ids[None], pos[None], None, gather, valid, real_tokens=sum(lengths), cu_seqlens=cu)
 
 
 def _micro_batch(batch: TrainBatch, rows: list[int], packed: PackedRows | None = None) -> MicroBatch:
@@ -128,9 +175,9 @@ def _micro_batch(batch: TrainBatch, rows: list[int], packed: PackedRows | None =
         response_mask=None if batch.response_mask is None else batch.response_mask[idx, :width])
 
 
-def _packed_micro_batch(batch: TrainBatch, bins: list[list[Unit]]) -> MicroBatch:
+def _packed_micro_batch(batch: TrainBatch, bins: list[list[Unit]], dense: bool) -> MicroBatch:
     rows = [i for units in bins for u in units for i in u.rows]
-    return _micro_batch(batch, rows, pack_units(batch, bins))
+    return _micro_batch(batch, rows, pack_units(batch, bins, dense=dense))
 
 
 def split_rows(batch: TrainBatch, num_parts: int) -> list[TrainBatch]:

@@ -185,6 +185,12 @@ def attention_kernel(cfg: ModelConfig) -> str:
         f" (model.local_attention={cfg.local_attention})"
 
 
+def packs_sequences(cfg: ModelConfig) -> bool:
+    """Whether the core attention takes Megatron's thd format (rows packed without padding): Transformer
+    Engine's and torch SDPA's do, Megatron's unfused one does not."""
+    return use_transformer_engine(cfg) or cfg.local_attention == "sdpa"
+
+
 def use_transformer_engine(cfg: ModelConfig) -> bool:
     if cfg.transformer_impl == "local":
         return False

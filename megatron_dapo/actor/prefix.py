@@ -109,8 +109,8 @@ class PackedRows:
     """[P, L] int64."""
     position_ids: torch.Tensor
     """[P, L] int64: each token's position in its own row (the rotary positions)."""
-    attention_mask: torch.Tensor
-    """[P, 1, L, L] bool, True = masked (Megatron's convention)."""
+    attention_mask: torch.Tensor | None
+    """[P, 1, L, L] bool, True = masked (Megatron's convention); None: `blocks` only, or `cu_seqlens`."""
     gather: torch.Tensor
     """[n, width] int64: for row j's position t, the flat index into [P * L] of the packed position whose
     per-token statistics (logprob of token t, entropy at t-1) are those of row j at t."""
@@ -120,11 +120,17 @@ class PackedRows:
     """Positions of the packed sequences that are not padding."""
     blocks: list[AttentionBlocks] = field(default_factory=list)
     """The block mask as independent blocks of queries (the SDPA core attention computes only these pairs)."""
+    cu_seqlens: torch.Tensor | None = None
+    """[k + 1] int32: one sequence [1, L] of k causal sequences one after the other, none seeing another
+    (Megatron's thd format, actor/batching.py's pack_sequences); None: the block mask."""
 
     def to_rows(self, stats: torch.Tensor) -> torch.Tensor:
-        """[P, L] per-token statistics of the packed sequences -> [n, width] per row (differentiable)."""
+        """[P, L] per-token statistics of the packed sequences -> [n, width] per row (differentiable). A row's
+        position 0 reads 0, as in a row of its own: the packed position before it is another unit's."""
         picked = stats.reshape(-1)[self.gather.to(stats.device)]
-        return torch.where(self.valid.to(stats.device), picked, picked.new_zeros(()))
+        keep = self.valid.clone()
+        keep[:, 0] = False
+        return torch.where(keep.to(stats.device), picked, picked.new_zeros(()))
 
 
 def common_prefix(ids: torch.Tensor) -> int:
@@ -251,9 +257,10 @@ def block_mask(units: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
     return ~(causal & same_unit & visible)
 
 
-def pack_units(batch: TrainBatch, bins: list[list[Unit]], pad_id: int = 0) -> PackedRows:
+def pack_units(batch: TrainBatch, bins: list[list[Unit]], pad_id: int = 0, dense: bool = True) -> PackedRows:
     """One sequence per bin (its units one after the other, then padding) and the map back to the rows,
-    in bin and unit order."""
+    in bin and unit order. `dense`: with the [P, 1, L, L] block mask (Megatron's attention reads it; SDPA
+    computes the blocks)."""
     layouts = [[_layout(u, batch.input_ids) for u in units] for units in bins]
     width = max(sum(len(lay.tokens) for lay in lays) for lays in layouts)
     lengths = [n for units in bins for u in units for n in u.lengths]
@@ -274,6 +281,6 @@ def pack_units(batch: TrainBatch, bins: list[list[Unit]], pad_id: int = 0) -> Pa
                 j += 1
             start += len(lay.tokens)
     valid = torch.arange(gather.shape[1])[None, :] < torch.tensor(lengths)[:, None]
-    mask = torch.stack([block_mask(u, s) for u, s in zip(unit_of, seg)]).unsqueeze(1)
+    mask = torch.stack([block_mask(u, s) for u, s in zip(unit_of, seg)]).unsqueeze(1) if dense else None
     return PackedRows(ids, pos, mask, gather, valid, real_tokens=int((unit_of >= 0).sum()),
                       blocks=blocks_of(unit_of, seg))

@@ -68,8 +68,14 @@ def build(hf_dir: str, impl: str, overrides: list[str], shared: str, tp: int, pp
 
 
 def run_pair(hf_dir: str, impl: str, overrides: list[str], tp: int, pp: int) -> dict:
-    """Both settings train on the same old logprobs (shared_prefix=off's, shifted)."""
+    """Both settings train on the same old logprobs (shared_prefix=off's, shifted). shared_prefix=off packs
+    each micro-batch's rows into one sequence (thd); "padded" computes them as a right-padded batch; "dense"
+    shares the prefix with Megatron's attention (the dense mask; SDPA computes its blocks)."""
     actors = {shared: build(hf_dir, impl, overrides, shared, tp, pp) for shared in ("off", "on")}
+    actors["padded"] = build(hf_dir, impl, overrides, "off", tp, pp)
+    actors["padded"].thd = 0
+    if impl == "linear" and not overrides:  # Megatron's unfused attention reads the dense block mask
+        actors["dense"] = build(hf_dir, impl, ["model.local_attention=megatron"], "on", tp, pp)
     batch = grouped_batch()
     stats = {shared: actor.compute_logprobs(batch) for shared, actor in actors.items()}
     responses = {shared: actor.compute_logprobs(batch, responses_only=True) for shared, actor in actors.items()}
