@@ -21,14 +21,11 @@ from megatron_dapo.rollout.sglang.fleet import launch_servers
 from megatron_dapo.rollout.sglang.server import SGLangServerError
 
 
-def _trainer_cmd(tmp_path, run: str, *overrides: str) -> list[str]:
-    """`python -m megatron_dapo.train` on a quick tiny base with SGLang rollouts: test_train's small
-    two-step settings, then `overrides` (later ones win)."""
+def _trainer_cmd(base, tmp_path, run: str, *overrides: str) -> list[str]:
+    """`python -m megatron_dapo.train` on the session's tiny base (`base`) with SGLang rollouts: test_train's
+    small two-step settings, then `overrides` (later ones win)."""
     from support import train_cmd
 
-    from megatron_dapo.tiny import ensure_tiny_base
-
-    base = ensure_tiny_base(tmp_path / "tiny_base", seconds=8)
     return train_cmd(base, tmp_path, run, "rollout.engine=sglang", "train.steps=2", "checkpoint.save_every=0",
                      "checkpoint.export_hf=false", *overrides)
 
@@ -136,14 +133,14 @@ def test_one_broadcast_updates_several_servers(sglang_python, models, hf, tmp_pa
 
 @pytest.mark.sglang
 @SGLANG_TIMEOUT
-def test_trainer_with_two_sglang_servers(sglang_python, tmp_path, python_env):
+def test_trainer_with_two_sglang_servers(sglang_python, base_dir, tmp_path, python_env):
     """The DAPO loop end to end on real SGLang servers: colocated sleep/wake, weight sync to both servers
     after every step, and the servers' logprobs equal the actor's on the tokens they sampled."""
     import subprocess
 
     from megatron_dapo.metrics import read_scalars
 
-    cmd = _trainer_cmd(tmp_path, "sglang2", "rollout.sglang.num_servers=2",
+    cmd = _trainer_cmd(base_dir, tmp_path, "sglang2", "rollout.sglang.num_servers=2",
                        f"rollout.sglang.base_port={server_ports(2)}")
     env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
@@ -156,7 +153,8 @@ def test_trainer_with_two_sglang_servers(sglang_python, tmp_path, python_env):
 
 @pytest.mark.sglang
 @SGLANG_TIMEOUT
-def test_async_trainer_generates_the_next_batch_on_a_server_of_its_own(sglang_python, tmp_path, python_env):
+def test_async_trainer_generates_the_next_batch_on_a_server_of_its_own(sglang_python, base_dir, tmp_path,
+                                                                       python_env):
     """rollout.async_steps=1 on a real SGLang server (not colocated): the producer thread drives the server
     over HTTP while the actor trains, batches 2 and 3 are one version old, the weights reach the server at
     each boundary (the probe checks them) and the correction sees the gap."""
@@ -164,7 +162,8 @@ def test_async_trainer_generates_the_next_batch_on_a_server_of_its_own(sglang_py
 
     from megatron_dapo.metrics import read_scalars
 
-    cmd = _trainer_cmd(tmp_path, "async", f"rollout.sglang.base_port={server_ports()}", "rollout.colocate=false",
+    cmd = _trainer_cmd(base_dir, tmp_path, "async", f"rollout.sglang.base_port={server_ports()}",
+                       "rollout.colocate=false",
                        "rollout.async_steps=1", "train.steps=3", "eval.every_steps=0")
     env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
@@ -177,7 +176,7 @@ def test_async_trainer_generates_the_next_batch_on_a_server_of_its_own(sglang_py
 
 @pytest.mark.sglang
 @SGLANG_TIMEOUT
-def test_torchrun_trainer_with_the_distributed_weight_transport(sglang_python, tmp_path, python_env):
+def test_torchrun_trainer_with_the_distributed_weight_transport(sglang_python, base_dir, tmp_path, python_env):
     """Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True, RANK / MASTER_PORT of the trainer set) the server
     starts in a clean environment and answers /health, and the weight group serves its own store: both
     steps sync over the broadcast group (servers on their own devices), and step 2's rollout logprobs equal
@@ -188,7 +187,7 @@ def test_torchrun_trainer_with_the_distributed_weight_transport(sglang_python, t
     from megatron_dapo.metrics import read_scalars
     from megatron_dapo.parallel import free_port as free_master_port
 
-    cmd = _trainer_cmd(tmp_path, "torchrun", f"rollout.sglang.base_port={server_ports()}",
+    cmd = _trainer_cmd(base_dir, tmp_path, "torchrun", f"rollout.sglang.base_port={server_ports()}",
                        "rollout.sglang.weight_sync=distributed", "rollout.colocate=false",
                        "eval.every_steps=0")
     assert cmd[1:3] == ["-m", "megatron_dapo.train"]
@@ -204,7 +203,7 @@ def test_torchrun_trainer_with_the_distributed_weight_transport(sglang_python, t
 
 @pytest.mark.sglang
 @SGLANG_TIMEOUT
-def test_three_nodes_each_start_a_server_and_rank0_drives_all(sglang_python, tmp_path, python_env):
+def test_three_nodes_each_start_a_server_and_rank0_drives_all(sglang_python, base_dir, tmp_path, python_env):
     """Three trainer ranks posing as three nodes (GROUP_RANK 0, 1, 2): each node's leader starts its own
     server and updates it from its own copy of the weights (node-local, tensor transport); rank 0 drives all
     three for generation, nodes 1 and 2 attached. After each step's sync every server's logprobs equal the
@@ -215,7 +214,8 @@ def test_three_nodes_each_start_a_server_and_rank0_drives_all(sglang_python, tmp
     from megatron_dapo.metrics import read_scalars
     from megatron_dapo.parallel import free_port as free_master_port
 
-    cmd = _trainer_cmd(tmp_path, "nodes3", f"rollout.sglang.base_port={server_ports(3)}", "parallel.backend=gloo",
+    cmd = _trainer_cmd(base_dir, tmp_path, "nodes3", f"rollout.sglang.base_port={server_ports(3)}",
+                       "parallel.backend=gloo",
                        "train.prompt_batch_size=6", "train.mini_batch_size=3", "eval.every_steps=0")
     master = str(free_master_port())
     procs = []

@@ -60,14 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smollm2-layers", type=int, default=4, help="decoder layers of the smollm2 base (SmolLM2: 30)")
     p.add_argument("--bases-dir", type=Path, default=None,
                    help="build the bases here, or reuse the ones built here before (default: a temporary folder)")
+    p.add_argument("--base-seconds", type=float, default=None,
+                   help="pre-training time of the tiny / steps base when built (default: its recipe's)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the trainer process (this machine: 2)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     return p
 
 
-def build_base(name: str, root: Path, smollm2_layers: int) -> Path:
+def build_base(name: str, root: Path, smollm2_layers: int, seconds: float | None = None) -> Path:
     module, _, func = BASES[name][0].partition(":")
-    kwargs = f", layers={smollm2_layers}" if name == "smollm2" else ""
+    kwargs = f", layers={smollm2_layers}" if name == "smollm2" else "" if seconds is None else f", seconds={seconds}"
     code = f"from {module} import {func}; print({func}({str(root / name)!r}{kwargs}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     return Path(out.stdout.strip().splitlines()[-1])
@@ -126,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
         root = Path(tmp)
         for name in args.bases:
-            base = build_base(name, (args.bases_dir or root).resolve(), args.smollm2_layers)  # built in REPO
+            base = build_base(name, (args.bases_dir or root).resolve(), args.smollm2_layers,  # built in REPO
+                              args.base_seconds)
             for engine in args.engines:
                 sync = run(base, name, engine, 0, args, root)
                 for k in args.async_steps:
