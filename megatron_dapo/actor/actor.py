@@ -171,7 +171,7 @@ class Actor:
             mb = next(data_iterator)
             ids, pos, mask = (t if t is None else t.to(parallel.device()) for t in mb.model_inputs())
             blocks = None if mb.packed is None else mb.packed.blocks
-            rotary = rotary_positions(self.module, pos if mb.rotary_positions else None)
+            rotary = rotary_positions(self.module, pos if mb.rotates_by_position_ids else None)
             with rotary, attention_blocks(blocks, tuple(ids.shape), ids.device):
                 out = model(ids, pos, mask, **mb.model_kwargs(ids.device))
             return out, partial(loss_func, mb)

@@ -50,7 +50,7 @@ class MicroBatch:
         return self.packed.input_ids, self.packed.position_ids, self.packed.attention_mask
 
     @property
-    def rotary_positions(self) -> bool:
+    def rotates_by_position_ids(self) -> bool:
         """The model's rotary embedding must read position_ids: a shared-prefix layout's positions are its
         rows' (thd rows restart at 0 where cu_seqlens says, which Megatron's rotary embedding reads)."""
         return self.packed is not None and self.packed.cu_seqlens is None
