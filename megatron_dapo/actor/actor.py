@@ -76,7 +76,7 @@ class Actor:
         if self.loss_impl == "linear" and par_cfg.sequence_parallel:
             raise ValueError("actor.loss_impl=linear does not support parallel.sequence_parallel (use logits or auto)")
         self.shared_prefix = actor_cfg.resolved_shared_prefix(use_transformer_engine(model_cfg))
-        self.thd = packs_sequences(model_cfg) * (par_cfg.tensor_parallel if par_cfg.sequence_parallel else 1)
+        self.thd = packs_sequences(model_cfg, par_cfg)
         self._offload = HostOffload()
         self._last_update = ""  # the last optimizer step that went through, for the divergence message
 

@@ -185,10 +185,15 @@ def attention_kernel(cfg: ModelConfig) -> str:
         f" (model.local_attention={cfg.local_attention})"
 
 
-def packs_sequences(cfg: ModelConfig) -> bool:
-    """Whether the core attention takes Megatron's thd format (rows packed without padding): Transformer
-    Engine's and torch SDPA's do, Megatron's unfused one does not."""
-    return use_transformer_engine(cfg) or cfg.local_attention == "sdpa"
+def packs_sequences(cfg: ModelConfig, par: ParallelConfig) -> int:
+    """`micro_batches`' thd: rows packed without padding (Megatron's thd format) in sequences of a multiple of
+    this length (the TP size with sequence parallelism, else 1), or 0 = a padded batch. Transformer Engine's
+    and torch SDPA's attention take it, Megatron's unfused one does not. Not with expert parallelism: its
+    ranks exchange tokens in every micro-batch, so they must count the same micro-batches: thd's tighter
+    packing gave EP2's ranks 2 and 1 (a hang); the padded packing, which EP keeps, does not ensure it either."""
+    if par.expert_parallel > 1 or not (use_transformer_engine(cfg) or cfg.local_attention == "sdpa"):
+        return 0
+    return par.tensor_parallel if par.sequence_parallel else 1
 
 
 def use_transformer_engine(cfg: ModelConfig) -> bool:
