@@ -28,6 +28,7 @@ class MicroBatch:
     is_weights: torch.Tensor | None = None
     packed: PackedRows | None = None
     response_mask: torch.Tensor | None = None
+    """[rows, width] bool: the generated tokens (TrainBatch.generated)."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -76,9 +77,8 @@ class MicroBatch:
         return self.model_mask(self.loss_mask > 0)
 
     def model_response_mask(self) -> torch.Tensor:
-        """[sequences, length] bool: the model's positions of generated tokens (the loss mask's without a
-        response mask)."""
-        return self.model_mask((self.loss_mask if self.response_mask is None else self.response_mask) > 0)
+        """[sequences, length] bool: the model's positions of generated tokens (TrainBatch.generated)."""
+        return self.model_mask(self.response_mask)
 
     def model_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """A [rows, width] bool mask of the rows' tokens -> the same tokens' positions in the model's
@@ -172,7 +172,7 @@ def _micro_batch(batch: TrainBatch, rows: list[int], packed: PackedRows | None =
         lengths=batch.lengths[idx], loss_mask=batch.loss_mask[idx, :width], advantages=batch.advantages[idx],
         old_logprobs=None if batch.old_logprobs is None else batch.old_logprobs[idx, :width],
         is_weights=None if batch.is_weights is None else batch.is_weights[idx, :width], packed=packed,
-        response_mask=None if batch.response_mask is None else batch.response_mask[idx, :width])
+        response_mask=batch.generated()[idx, :width])
 
 
 def _packed_micro_batch(batch: TrainBatch, bins: list[list[Unit]], dense: bool) -> MicroBatch:

@@ -23,6 +23,7 @@ attention FLOPs over one token's linear FLOPs, ModelSpec.attention_pair_cost).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -128,9 +129,14 @@ class PackedRows:
         """[P, L] per-token statistics of the packed sequences -> [n, width] per row (differentiable). A row's
         position 0 reads 0, as in a row of its own: the packed position before it is another unit's."""
         picked = stats.reshape(-1)[self.gather.to(stats.device)]
-        keep = self.valid.clone()
-        keep[:, 0] = False
-        return torch.where(keep.to(stats.device), picked, picked.new_zeros(()))
+        return torch.where(self._read.to(stats.device), picked, picked.new_zeros(()))
+
+    @cached_property
+    def _read(self) -> torch.Tensor:
+        """`valid` without position 0: computed once, read by every statistic mapped back."""
+        read = self.valid.clone()
+        read[:, 0] = False
+        return read
 
 
 def common_prefix(ids: torch.Tensor) -> int:
