@@ -1,8 +1,7 @@
 """Run under torchrun by tests/test_actor_prefix.py: the same grouped batch through actors with
 actor.shared_prefix off and on (two actors from the same HF weights): pi_old logprobs + entropy (at every
-position and at the responses only), and the
-metrics and gradients of the updates (two mini-batches) from the same old logprobs; per case. Results saved
-per rank.
+position and at the responses only), and the metrics and gradients of the updates (two mini-batches) from the
+same old logprobs; per case. Results saved per rank.
 
     torchrun --nproc_per_node N tests/workers/prefix_worker.py HF_DIR OUT_DIR TP PP
 """
@@ -78,14 +77,14 @@ def run_pair(hf_dir: str, impl: str, overrides: list[str], tp: int, pp: int) -> 
         actors["dense"] = build(hf_dir, impl, ["model.local_attention=megatron"], "on", tp, pp)
     batch = grouped_batch()
     stats = {shared: actor.compute_logprobs(batch) for shared, actor in actors.items()}
-    responses = {shared: actor.compute_logprobs(batch, responses_only=True) for shared, actor in actors.items()}
+    responses = {shared: actors[shared].compute_logprobs(batch, responses_only=True) for shared in ("off", "on")}
     batch.old_logprobs = stats["off"][0] + old_logprob_shift(batch)
     out = {"lengths": batch.lengths, "response_mask": batch.response_mask}
     for shared, actor in actors.items():
         metrics = actor.train_step(batch, num_mini_batches=2)
         grads = {n: t.clone() for n, t in export_hf_weights(actor.module, actor.spec, grads=True)}
         out[shared] = {"shared": actor.shared_prefix, "logprobs": stats[shared][0], "entropy": stats[shared][1],
-                       "responses": responses[shared], "metrics": metrics, "grads": grads}
+                       "responses": responses.get(shared), "metrics": metrics, "grads": grads}
     return out
 
 
