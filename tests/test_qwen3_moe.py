@@ -164,6 +164,25 @@ def test_ep2_update_equals_ep1(train_runs, model):
         assert metrics[key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-7), key
 
 
+def test_ep_ranks_that_pack_different_micro_batch_counts_agree(hf_dirs, tmp_path, env):
+    """EP2 ranks whose rows pack into 4 and 2 micro-batches (a rank with more would wait in an all-to-all that
+    nobody joins: a hang before the ranks agreed on the count): the short rank runs fillers, and each rank's
+    pi_old logprobs and the update's loss and gradients equal EP1's on the same rows."""
+    dirs = [hf_dirs["qwen3_moe"]]
+    ref = run_worker("uneven", dirs, tmp_path / "ep1", 1, 1, 1, 1, env)[0]["models"]["qwen3_moe"]
+    runs = run_worker("uneven", dirs, tmp_path / "ep2", 1, 1, 2, 2, env, timeout=300)
+    assert [r["models"]["qwen3_moe"]["packed"] for r in runs] == [4, 2]
+    for r in runs:
+        res, rows = r["models"]["qwen3_moe"], slice(4 * r["ep_rank"], 4 * r["ep_rank"] + 4)
+        assert torch.allclose(res["logprobs"], ref["logprobs"][rows], atol=1e-5)
+        for key in ("loss", "tokens", "grad_norm", "clipfrac_high", "clipfrac_low"):
+            assert res["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-7), key
+    grads = _merged(runs, "qwen3_moe", "grads")
+    assert grads.keys() == ref["grads"].keys()
+    for name, g in ref["grads"].items():
+        assert torch.allclose(grads[name], g, atol=2e-6, rtol=1e-4), name
+
+
 @pytest.mark.parametrize("model", ["qwen3", *MOE])
 def test_loss_and_clipped_grads_equal_plain_torch(train_runs, hf_dirs, model):
     """transformers forward + the DAPO loss written out here, autograd: Megatron adds nothing to the loss (no

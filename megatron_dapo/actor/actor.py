@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megatron_dapo import megatron_cpu, parallel
 from megatron_dapo.actor.attention import attention_blocks
-from megatron_dapo.actor.batching import MicroBatch, micro_batches, split_rows
+from megatron_dapo.actor.batching import MicroBatch, filler_micro_batch, micro_batches, split_rows
 from megatron_dapo.actor.model import (
     ModelSpec,
     build_model,
@@ -77,6 +77,7 @@ class Actor:
             raise ValueError("actor.loss_impl=linear does not support parallel.sequence_parallel (use logits or auto)")
         self.shared_prefix = actor_cfg.resolved_shared_prefix(use_transformer_engine(model_cfg))
         self.thd = packs_sequences(model_cfg, par_cfg)
+        self._sp_multiple = par_cfg.tensor_parallel if par_cfg.sequence_parallel else 1
         self._offload = HostOffload()
         self._last_update = ""  # the last optimizer step that went through, for the divergence message
 
@@ -183,8 +184,20 @@ class Actor:
             forward_only=forward_only)
 
     def _micro_batches(self, batch: TrainBatch, token_budget: int) -> list[MicroBatch]:
-        return micro_batches(batch, token_budget, shared_prefix=self.shared_prefix,
-                             pair_cost=self.spec.attention_pair_cost(), thd=self.thd)
+        micro = micro_batches(batch, token_budget, shared_prefix=self.shared_prefix,
+                              pair_cost=self.spec.attention_pair_cost(), thd=self.thd) if len(batch) else []
+        return micro + [filler_micro_batch(self._sp_multiple) for _ in range(self._agree_on_count(len(micro)) - len(micro))]
+
+    def _agree_on_count(self, count: int) -> int:
+        """Collective over the expert-parallel group: the most micro-batches any of its ranks packed. Every
+        micro-batch's forward and backward exchange tokens all-to-all across those ranks, so a rank with one
+        more than the others would wait in a collective nobody joins (NCCL: until its timeout); the short ranks
+        run fillers (filler_micro_batch) up to the agreed count."""
+        if not (dist.is_initialized() and parallel.ep_size() > 1):
+            return count
+        agreed = torch.tensor([count], dtype=torch.int64, device=parallel.device())
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=parallel.ep_group())
+        return int(agreed.item())
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, temperature: float | None = None,
@@ -198,6 +211,8 @@ class Actor:
         out_ent = torch.zeros_like(out_lp)
 
         def collect(mb: MicroBatch, logits: torch.Tensor):
+            if mb.filler:
+                return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {}
             needed = mb.model_response_mask() if responses_only else None
             lp, ent = self._row_stats(mb, logits, temperature=temperature, needed=needed)
             width = mb.shape[1]
@@ -259,6 +274,8 @@ class Actor:
         algo = self.algo
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
+            if mb.filler:  # in the graph, so its backward runs the all-to-alls too; adds 0 to every gradient
+                return (logits * 0).sum(), torch.tensor(0, dtype=torch.int), {}
             dev = logits.device
             lp, ent = self._row_stats(mb, logits, entropy=True, needed=mb.model_loss_mask)
             is_weights = None if mb.is_weights is None else mb.is_weights.to(dev)

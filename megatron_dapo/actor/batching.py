@@ -29,6 +29,9 @@ class MicroBatch:
     packed: PackedRows | None = None
     response_mask: torch.Tensor | None = None
     """[rows, width] bool: the generated tokens (TrainBatch.generated)."""
+    filler: bool = False
+    """A stand-in that holds no row of the batch (`rows` is empty): it runs the model's collectives so that
+    every expert-parallel rank runs as many micro-batches as the others (filler_micro_batch)."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -92,6 +95,8 @@ class MicroBatch:
     def token_counts(self) -> tuple[int, int, int]:
         """(positions the model computes, padding among them, row tokens): row tokens minus the computed
         non-padding ones is what sharing the prompts saved."""
+        if self.filler:
+            return self.model_shape[1], self.model_shape[1], 0
         rows_total = int(self.lengths.sum())
         computed = self.model_shape[0] * self.model_shape[1]
         real = rows_total if self.packed is None else int(self.packed.real_tokens)
@@ -143,6 +148,17 @@ def micro_batches(batch: TrainBatch, token_budget: int, *, shared_prefix: bool =
         return [_micro_batch(batch, rows, pack_sequences(batch, rows, thd))
                 for rows in pack_rows(lengths, token_budget, padded=False)]
     return [_micro_batch(batch, rows) for rows in pack_rows(lengths, token_budget)]
+
+
+def filler_micro_batch(multiple: int = 1) -> MicroBatch:
+    """A micro-batch of no row: one sequence of token 0s, 2 long (the shortest with a next-token prediction)
+    rounded up to a `multiple` (sequence parallelism splits it over the TP ranks), no loss token. Its forward
+    and backward take part in the expert-parallel all-to-alls; its loss is 0 times the model's output."""
+    n = -(-2 // multiple) * multiple
+    zeros = torch.zeros(1, n)
+    return MicroBatch(rows=torch.zeros(0, dtype=torch.long), input_ids=torch.zeros(1, n, dtype=torch.long),
+                      position_ids=torch.arange(n)[None], lengths=torch.tensor([n]), loss_mask=zeros,
+                      advantages=torch.zeros(1), old_logprobs=zeros, response_mask=zeros.bool(), filler=True)
 
 
 def pack_sequences(batch: TrainBatch, rows: list[int], multiple: int = 1) -> PackedRows:

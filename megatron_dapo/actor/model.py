@@ -188,10 +188,9 @@ def attention_kernel(cfg: ModelConfig) -> str:
 def packs_sequences(cfg: ModelConfig, par: ParallelConfig) -> int:
     """`micro_batches`' thd: rows packed without padding (Megatron's thd format) in sequences of a multiple of
     this length (the TP size with sequence parallelism, else 1), or 0 = a padded batch. Transformer Engine's
-    and torch SDPA's attention take it, Megatron's unfused one does not. Not with expert parallelism: its
-    ranks exchange tokens in every micro-batch, so they must count the same micro-batches: thd's tighter
-    packing gave EP2's ranks 2 and 1 (a hang); the padded packing, which EP keeps, does not ensure it either."""
-    if par.expert_parallel > 1 or not (use_transformer_engine(cfg) or cfg.local_attention == "sdpa"):
+    and torch SDPA's attention take it, Megatron's unfused one does not. Expert parallelism takes it too: its
+    ranks agree on their micro-batch count whatever the packing (Actor._agree_on_count)."""
+    if not (use_transformer_engine(cfg) or cfg.local_attention == "sdpa"):
         return 0
     return par.tensor_parallel if par.sequence_parallel else 1
 
@@ -259,7 +258,10 @@ def _moe_fields(moe: MoESpec | None) -> dict[str, Any]:
     """Megatron's MoE settings for HF's router: softmax over the experts, top-k; with norm_topk_prob the
     top-k logits are softmaxed among themselves (= renormalised probabilities), else the probabilities
     of the softmax over all experts are used as they are (`pre_softmax`). No load-balancing aux loss and
-    no z-loss: they would add gradients the DAPO objective does not have."""
+    no z-loss: they would add gradients the DAPO objective does not have. The router in fp32: Megatron's default
+    (the model's dtype) rounds a pre-softmax router's probabilities to bf16 before the top-k, where transformers
+    and SGLang pick from fp32 probabilities: near-ties went to other experts than in the rollout
+    (tests/test_moe_router.py)."""
     if moe is None:
         return {}
     return dict(num_moe_experts=moe.num_experts, moe_ffn_hidden_size=moe.ffn_hidden_size, moe_router_topk=moe.top_k,
@@ -267,7 +269,7 @@ def _moe_fields(moe: MoESpec | None) -> dict[str, Any]:
                 moe_shared_expert_intermediate_size=moe.shared_expert_size or None,
                 moe_shared_expert_gate=bool(moe.shared_expert_size), moe_router_load_balancing_type="none",
                 moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None, moe_input_jitter_eps=None, moe_grouped_gemm=False,
-                moe_permute_fusion=False)
+                moe_permute_fusion=False, moe_router_dtype="fp32")
 
 
 def layer_spec(model_cfg: ModelConfig, spec: ModelSpec) -> Any:

@@ -5,6 +5,8 @@
 CASE "logits": load each HF folder into a model built to be loaded, save the logits of the conversion
 tool's fixed verification batch and whether exporting gives back every HF tensor bit for bit.
 CASE "train": the actor's DAPO updates of tests/workers/actor_worker.py (clipping on, several updates).
+CASE "uneven": the EP ranks' rows pack into different numbers of micro-batches (4 and 2): the pi_old pass of each
+rank's own rows and one update, with the packed counts.
 CASE "checkpoint": HF_DIRs are converted checkpoints: the actor loads each (load_checkpoint, weights only),
 saves the verification logits and exports it with save_hf_checkpoint to OUT_DIR/<name>_export.
 """
@@ -13,10 +15,11 @@ import sys
 from pathlib import Path
 
 import torch
-from actor_worker import make_cfg, run_model
+from actor_worker import dp_rows, fixed_batch, hf_tensors, make_cfg, old_logprob_offset, run_model
 
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
+from megatron_dapo.actor.batching import micro_batches, select_rows
 from megatron_dapo.actor.checkpoint import load_checkpoint
 from megatron_dapo.actor.convert_checks import HF_SUBDIR
 from megatron_dapo.actor.convert_verify import megatron_logits, verify_tokens
@@ -45,6 +48,24 @@ def from_checkpoint(ckpt: str, cfg, out: str) -> dict:
     return {"logits": logits, "last_stage": parallel.is_last_stage()}
 
 
+UNEVEN_ORDER = [0, 3, 5, 7, 1, 2, 6, 4]
+"""fixed_batch's rows, longest first: the first DP rank's are 16, 16, 13, 12 tokens, the second's 11, 9, 8, 6."""
+UNEVEN_BUDGET = 20
+"""Tokens per micro-batch: 4 micro-batches of the first rank's rows, 2 of the second's."""
+
+
+def uneven(hf_dir: str, cfg) -> dict:
+    cfg.actor.micro_batch_tokens = cfg.actor.logprob_micro_batch_tokens = UNEVEN_BUDGET
+    actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor)
+    batch = select_rows(fixed_batch(), torch.tensor(UNEVEN_ORDER))
+    batch.old_logprobs = actor.compute_logprobs(batch)[0] + old_logprob_offset(batch)
+    mine = dp_rows(batch)
+    packed = len(micro_batches(mine, UNEVEN_BUDGET, thd=actor.thd))
+    logprobs = actor.compute_logprobs(mine)[0]
+    metrics = actor.train_step(mine)
+    return {"packed": packed, "logprobs": logprobs, "metrics": metrics, "grads": hf_tensors(actor, grads=True)}
+
+
 def main() -> None:
     case, hf_dirs, out = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
     tp, pp, ep = (int(x) for x in sys.argv[4:7])
@@ -56,6 +77,8 @@ def main() -> None:
         name = Path(hf_dir).name
         if case == "logits":
             result["models"][name] = logits_and_export(hf_dir, cfg)
+        elif case == "uneven":
+            result["models"][name] = uneven(hf_dir, cfg)
         elif case == "checkpoint":
             result["models"][name] = from_checkpoint(hf_dir, cfg, out)
         else:
