@@ -109,6 +109,9 @@ class TrainBatch:
     """[B, S] float: 1 on every generated token, truncated responses included (for monitors)."""
     is_weights: torch.Tensor | None = None
     """[B, S] float: rollout-correction importance weights multiplying the loss terms (None = all 1)."""
+    routes: torch.Tensor | None = None
+    """[B, S, layers, top_k] small ints: the experts each token went to in this rank's MoE layers, which the
+    updates replay (actor.routing_replay; actor/routing.py)."""
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -22,6 +23,7 @@ from megatron_dapo.actor.model import (
     rotary_positions,
     use_transformer_engine,
 )
+from megatron_dapo.actor.routing import RouteKeeper
 from megatron_dapo.actor.optimizer import build_optimizer, build_scheduler, current_lr, wrap_ddp
 from megatron_dapo.config import ActorConfig, AlgoConfig, ModelConfig, ParallelConfig
 from megatron_dapo.config.sizing import resolve_micro_batches
@@ -78,6 +80,13 @@ class Actor:
         self.shared_prefix = actor_cfg.resolved_shared_prefix(use_transformer_engine(model_cfg))
         self.thd = packs_sequences(model_cfg, par_cfg)
         self._sp_multiple = par_cfg.tensor_parallel if par_cfg.sequence_parallel else 1
+        self.routing_replay = actor_cfg.routing_replay
+        self.routes = RouteKeeper(self.module, spec.moe.num_experts, spec.moe.top_k,
+                                  sequence_parallel=par_cfg.sequence_parallel) if spec.moe else None
+        if self.routing_replay != "none" and (self.routes is None or model_cfg.recompute == "full"):
+            why = "a MoE model" if self.routes is None else "model.recompute other than full (it routes again " \
+                "in the backward)"
+            raise ValueError(f"actor.routing_replay={self.routing_replay} needs {why}")
         self._offload = HostOffload()
         self._last_update = ""  # the last optimizer step that went through, for the divergence message
 
@@ -173,8 +182,12 @@ class Actor:
             ids, pos, mask = (t if t is None else t.to(parallel.device()) for t in mb.model_inputs())
             blocks = None if mb.packed is None else mb.packed.blocks
             rotary = rotary_positions(self.module, pos if mb.rotates_by_position_ids else None)
+            if self.routes is not None:
+                self.routes.before(mb)
             with rotary, attention_blocks(blocks, tuple(ids.shape), ids.device):
                 out = model(ids, pos, mask, **mb.model_kwargs(ids.device))
+            if self.routes is not None:
+                self.routes.after(mb)
             return out, partial(loss_func, mb)
 
         seq = max(m.model_shape[1] for m in micro)
@@ -182,6 +195,14 @@ class Actor:
             forward_step_func=forward_step, data_iterator=iter(micro), model=[self.ddp],
             num_microbatches=len(micro), seq_length=seq, micro_batch_size=max(m.model_shape[0] for m in micro),
             forward_only=forward_only)
+
+    def _routing(self, mode: str | None):
+        """The routers' mode for one pass (actor/routing.py's RouteKeeper): record, replay or free."""
+        return nullcontext() if self.routes is None else self.routes.mode(mode)
+
+    def routing_scalars(self) -> dict[str, float]:
+        """Collective: moe/* monitors since the last call, over all ranks (empty for a dense model)."""
+        return {} if self.routes is None else self.routes.scalars()
 
     def _micro_batches(self, batch: TrainBatch, token_budget: int) -> list[MicroBatch]:
         micro = micro_batches(batch, token_budget, shared_prefix=self.shared_prefix,
@@ -201,10 +222,12 @@ class Actor:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, temperature: float | None = None,
-                         responses_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         responses_only: bool = False, record_routes: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token logprobs and entropies [B, S] of `batch` under the current policy (all ranks), at the
         rollout's temperature unless `temperature` is given. `responses_only`: at the generated tokens only
-        (response_mask, else loss_mask; the rest read 0; loss_impl=linear's output layer skips the prompt)."""
+        (response_mask, else loss_mask; the rest read 0; loss_impl=linear's output layer skips the prompt).
+        `record_routes` (a MoE model): also sets batch.routes, the experts this rank's layers sent each token to."""
         self._check_awake(("weights",))
         micro = self._micro_batches(batch, self.cfg.logprob_micro_batch_tokens)
         out_lp = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
@@ -221,8 +244,11 @@ class Actor:
             return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {}
 
         self.ddp.eval()
-        self._forward(micro, collect, forward_only=True)
+        with self._routing("record" if record_routes else None):
+            self._forward(micro, collect, forward_only=True)
         self.ddp.train()
+        if record_routes and self.routes is not None:
+            batch.routes = self.routes.batch_routes(batch, micro)
         if parallel.pp_size() > 1:
             for t in (out_lp, out_ent):
                 dist.broadcast(t, parallel.last_stage_global_rank(), group=parallel.pp_group())
@@ -246,7 +272,7 @@ class Actor:
                                        dtype=torch.float64).sum(0)
                 history.append(self._update(mini, micro))
         out = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
-        return {**out, **self._perf_scalars(counts)}
+        return {**out, **self._perf_scalars(counts), **self.routing_scalars()}
 
     def _output_positions(self, mb: MicroBatch) -> int:
         """Positions the update's output layer computes: the loss tokens' (loss_impl=linear), else all."""
@@ -294,7 +320,8 @@ class Actor:
         self.scheduler.step(1)  # warm-up counts this update: update k uses lr * (k+1) / warmup_steps
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._forward(micro, loss_func, forward_only=False)
+        with self._routing("replay" if self.routing_replay != "none" and mini.routes is not None else None):
+            self._forward(micro, loss_func, forward_only=False)
         metrics = self._reduce_stats(stats)
         if metrics["nonfinite"]:
             # NaN/Inf in the loss or any gradient: skip the update so nothing is corrupted

@@ -29,6 +29,10 @@ class MicroBatch:
     packed: PackedRows | None = None
     response_mask: torch.Tensor | None = None
     """[rows, width] bool: the generated tokens (TrainBatch.generated)."""
+    routes: torch.Tensor | None = None
+    """[rows, width, layers, top_k]: the routes to replay (TrainBatch.routes)."""
+    recorded_routes: torch.Tensor | None = None
+    """[rows, width, layers, top_k]: the routes the last forward of this micro-batch took, when recorded."""
     filler: bool = False
     """A stand-in that holds no row of the batch (`rows` is empty): it runs the model's collectives so that
     every expert-parallel rank runs as many micro-batches as the others (filler_micro_batch)."""
@@ -188,7 +192,7 @@ def _micro_batch(batch: TrainBatch, rows: list[int], packed: PackedRows | None =
         lengths=batch.lengths[idx], loss_mask=batch.loss_mask[idx, :width], advantages=batch.advantages[idx],
         old_logprobs=None if batch.old_logprobs is None else batch.old_logprobs[idx, :width],
         is_weights=None if batch.is_weights is None else batch.is_weights[idx, :width], packed=packed,
-        response_mask=batch.generated()[idx, :width])
+        response_mask=batch.generated()[idx, :width], routes=None if batch.routes is None else batch.routes[idx, :width])
 
 
 def _packed_micro_batch(batch: TrainBatch, bins: list[list[Unit]], dense: bool) -> MicroBatch:
@@ -213,4 +217,4 @@ def select_rows(batch: TrainBatch, idx: torch.Tensor) -> TrainBatch:
                       advantages=batch.advantages[idx], lengths=batch.lengths[idx],
                       old_logprobs=pick(batch.old_logprobs), rollout_logprobs=pick(batch.rollout_logprobs),
                       prompt_index=pick(batch.prompt_index), response_mask=pick(batch.response_mask),
-                      is_weights=pick(batch.is_weights))
+                      is_weights=pick(batch.is_weights), routes=pick(batch.routes))

@@ -269,7 +269,8 @@ def _moe_fields(moe: MoESpec | None) -> dict[str, Any]:
                 moe_shared_expert_intermediate_size=moe.shared_expert_size or None,
                 moe_shared_expert_gate=bool(moe.shared_expert_size), moe_router_load_balancing_type="none",
                 moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None, moe_input_jitter_eps=None, moe_grouped_gemm=False,
-                moe_permute_fusion=False, moe_router_dtype="fp32")
+                moe_permute_fusion=False, moe_router_dtype="fp32",
+                moe_enable_routing_replay=True)  # each router consults its replay (actor/routing.py)
 
 
 def layer_spec(model_cfg: ModelConfig, spec: ModelSpec) -> Any:

@@ -88,6 +88,11 @@ class ActorConfig:
     attending to the prompt and itself at its own positions; exact (actor/prefix.py). auto = on with the local
     layer spec; Transformer Engine ignores the block mask (off; true is an error). YAML: on/off = true/false."""
 
+    routing_replay: Literal["none", "r2"] = "none"
+    """MoE models: r2 = the updates use the experts the pi_old pass routed each token to (the router still
+    scores them; actor/routing.py), so a router that moves during the updates does not change which experts
+    the ratio compares. none = each pass routes by itself. (r3, the rollout engine's routes, is not built.)"""
+
     def resolved_loss_impl(self, sequence_parallel: bool) -> str:
         """"logits" or "linear": auto is linear unless the hidden states are sequence-sharded."""
         if self.loss_impl == "auto":

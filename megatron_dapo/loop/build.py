@@ -110,7 +110,8 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
     report.actor_bytes_at_engine_start = sum(actor.device_bytes().values())
     engines = make_engine(cfg, actor, report)
     old = resolve_old_logprob_source(cfg.algo, cfg.rollout, cfg.rollout_correction(),
-                                     engine_on_actor_weights=engines.on_actor_weights, dtype=param_dtype(cfg.model))
+                                     engine_on_actor_weights=engines.on_actor_weights, dtype=param_dtype(cfg.model),
+                                     routing_replay=cfg.actor.routing_replay)
     report.old_logprobs = old.line()
     return RunState(
         cfg=cfg, actor=actor, tokenizer=tokenizer, engine=engines.engine,

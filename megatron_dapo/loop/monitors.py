@@ -41,7 +41,7 @@ def update_scalars(update: dict[str, float], means: TokenMeans) -> dict[str, flo
             "actor/entropy": update["entropy"] if means.entropy is None else means.entropy,
             "actor/mean_token_prob": means.mean_token_prob,
             "rollout/train_rollout_logprob_absdiff": means.logprob_absdiff,
-            **{k: v for k, v in update.items() if k.startswith("perf/")}}  # the actor's padding and prefix savings
+            **{k: v for k, v in update.items() if k.startswith(("perf/", "moe/"))}}  # padding, prefix, routing
 
 
 def step_timings(phase_seconds: dict[str, float], step_seconds: float, tokens: int,

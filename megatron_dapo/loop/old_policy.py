@@ -46,13 +46,20 @@ class OldLogprobSource:
 
 
 def resolve_old_logprob_source(algo: AlgoConfig, rollout: RolloutConfig, correction: str, *,
-                               engine_on_actor_weights: bool, dtype: torch.dtype) -> OldLogprobSource:
+                               engine_on_actor_weights: bool, dtype: torch.dtype,
+                               routing_replay: str = "none") -> OldLogprobSource:
     """algo.old_logprob_source, auto decided by the rule of the module docstring. `correction`: the rollout
     correction in force (Config.rollout_correction); `engine_on_actor_weights`: the embedded engine was built
-    on the actor's parameters (shared_weights.py); `dtype`: the model's."""
+    on the actor's parameters (shared_weights.py); `dtype`: the model's; `routing_replay`: actor.routing_replay
+    (r2 replays the routes the recompute pass records: it needs that pass)."""
     setting = f"algo.old_logprob_source={algo.old_logprob_source}"
     if algo.old_logprob_source == "recompute":
         return OldLogprobSource("recompute", setting)
+    if routing_replay == "r2":
+        if algo.old_logprob_source == "rollout":
+            raise ValueError("actor.routing_replay=r2 replays the routes of pi_old's recompute pass: it needs "
+                             "algo.old_logprob_source=recompute (or auto)")
+        return OldLogprobSource("recompute", f"{setting}: actor.routing_replay=r2 records the routes in that pass")
     if algo.old_logprob_source == "rollout":
         return OldLogprobSource("rollout", f"{setting}: the train-inference mismatch enters the ratio unmeasured")
     why_not = []
@@ -82,7 +89,7 @@ def old_logprobs(actor: Actor, batch: TrainBatch,
     (the prompt's read 0: the loss, the correction and the monitors read responses only)."""
     if source.source == "rollout":
         return batch.rollout_logprobs.clone(), None
-    return actor.compute_logprobs(batch, responses_only=True)
+    return actor.compute_logprobs(batch, responses_only=True, record_routes=actor.routing_replay == "r2")
 
 
 def apply_rollout_correction(batch: TrainBatch, algo: AlgoConfig, correction: str) -> dict[str, float]:

@@ -7,6 +7,8 @@ tool's fixed verification batch and whether exporting gives back every HF tensor
 CASE "train": the actor's DAPO updates of tests/workers/actor_worker.py (clipping on, several updates).
 CASE "uneven": the EP ranks' rows pack into different numbers of micro-batches (4 and 2): the pi_old pass of each
 rank's own rows and one update, with the packed counts.
+CASE "replay": actor.routing_replay=r2, one update of the batch (routes included) saved in $REPLAY_BATCH, this
+rank's rows and this stage's MoE layers of its routes.
 CASE "checkpoint": HF_DIRs are converted checkpoints: the actor loads each (load_checkpoint, weights only),
 saves the verification logits and exports it with save_hf_checkpoint to OUT_DIR/<name>_export.
 """
@@ -66,6 +68,18 @@ def uneven(hf_dir: str, cfg) -> dict:
     return {"packed": packed, "logprobs": logprobs, "metrics": metrics, "grads": hf_tensors(actor, grads=True)}
 
 
+def replay(hf_dir: str, cfg) -> dict:
+    import os
+
+    cfg.actor.routing_replay = "r2"
+    cfg.actor.micro_batch_tokens = 24
+    actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor)
+    batch = torch.load(os.environ["REPLAY_BATCH"], weights_only=False)
+    layers = batch.routes.shape[2] // parallel.pp_size()
+    batch.routes = batch.routes[:, :, parallel.pp_rank() * layers:(parallel.pp_rank() + 1) * layers]
+    return {"metrics": actor.train_step(dp_rows(batch))}
+
+
 def main() -> None:
     case, hf_dirs, out = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
     tp, pp, ep = (int(x) for x in sys.argv[4:7])
@@ -77,6 +91,8 @@ def main() -> None:
         name = Path(hf_dir).name
         if case == "logits":
             result["models"][name] = logits_and_export(hf_dir, cfg)
+        elif case == "replay":
+            result["models"][name] = replay(hf_dir, cfg)
         elif case == "uneven":
             result["models"][name] = uneven(hf_dir, cfg)
         elif case == "checkpoint":

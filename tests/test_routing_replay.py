@@ -1,0 +1,195 @@
+"""Routing replay on the actor (actor.routing_replay=r2; actor/routing.py), one rank, a tiny Qwen3-MoE in fp32.
+
+Independent reference: transformers, its routers either free (the experts the pi_old pass must record) or forced
+to given experts (the probabilities renormalised over them, as its router does over its own top-k): the actor's
+update replaying those routes sees the policy transformers computes with them, so its ratio is exactly 1."""
+
+import pytest
+import torch
+
+from megatron_dapo import parallel
+from megatron_dapo.actor.batching import MicroBatch, micro_batches
+from megatron_dapo.actor.routing import routes_to_model, routes_to_rows
+from megatron_dapo.config import Config
+from megatron_dapo.tiny import tiny_model
+from megatron_dapo.types import TrainBatch
+
+VOCAB, EXPERTS, TOP_K, LAYERS = 200, 8, 2, 2
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    parallel.initialize(Config().parallel, seed=1)
+    yield
+    parallel.destroy()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("moe")
+    model = tiny_model("qwen3_moe", seed=5, vocab_size=VOCAB, max_position_embeddings=128, eos_token_id=VOCAB - 1,
+                       num_experts=EXPERTS, num_experts_per_tok=TOP_K, head_dim=24)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(8.0)  # clear top-k margins: fp32 noise cannot flip a choice
+    model.save_pretrained(folder)
+    return folder
+
+
+def _batch() -> TrainBatch:
+    g = torch.Generator().manual_seed(4)
+    lengths = torch.tensor([14, 9, 11, 6])
+    ids = torch.randint(0, VOCAB - 1, (4, 14), generator=g)
+    mask = torch.zeros(4, 14)
+    for i, n in enumerate(lengths.tolist()):
+        ids[i, n:] = 0
+        mask[i, 3:n] = 1.0
+    return TrainBatch(input_ids=ids, loss_mask=mask, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+                      lengths=lengths)
+
+
+def _hf_pass(hf_dir, batch: TrainBatch, forced: torch.Tensor | None = None):
+    """(logprobs [B, S] with position 0 = 0, routes [B, S, layers, k]) of transformers, row by row; `forced`
+    [B, S, layers, k]: the experts each router must take."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    lp = torch.zeros(batch.input_ids.shape)
+    routes = torch.zeros(*batch.input_ids.shape, LAYERS, TOP_K, dtype=torch.long)
+    for i, n in enumerate(batch.lengths.tolist()):
+        seen: list[torch.Tensor] = []
+        for layer, block in enumerate(hf.model.layers):
+            gate = block.mlp.gate
+
+            def forward(h, gate=gate, layer=layer):
+                logits = torch.nn.functional.linear(h, gate.weight)
+                probs = torch.softmax(logits, -1, dtype=torch.float)
+                idx = probs.topk(TOP_K, -1).indices if forced is None else forced[i, :n, layer].long()
+                top = probs.gather(-1, idx)
+                seen.append(idx.sort(-1).values)
+                return logits, (top / top.sum(-1, keepdim=True)).to(logits.dtype), idx
+
+            gate.forward = forward
+        with torch.no_grad():
+            logits = hf(batch.input_ids[i : i + 1, :n]).logits[0]
+        lp[i, 1:n] = torch.log_softmax(logits[:-1], -1).gather(-1, batch.input_ids[i, 1:n, None]).squeeze(-1)
+        routes[i, :n] = torch.stack(seen, 1)
+    return lp, routes
+
+
+def _actor(hf_dir, replay: str):
+    from megatron_dapo.actor.actor import Actor
+
+    cfg = Config()
+    cfg.actor.routing_replay = replay
+    cfg.actor.micro_batch_tokens, cfg.actor.logprob_micro_batch_tokens = 24, 16  # other packings in the 2 passes
+    cfg.actor.optimizer.lr = 1e-3
+    return Actor.from_hf(str(hf_dir), cfg.model, cfg.parallel, cfg.actor)
+
+
+def test_routes_map_between_rows_and_the_models_token_order():
+    """Megatron's [sequence, batch] token order, the padded and the thd layouts: rows -> model -> rows is the
+    identity on every row's tokens, and positions that are no row's token get experts 0..k-1."""
+    batch = _batch()
+    routes = torch.randint(0, EXPERTS, (*batch.input_ids.shape, LAYERS, TOP_K), dtype=torch.uint8)
+    batch.routes = routes
+    for thd in (0, 1):
+        for mb in micro_batches(batch, 24, thd=thd):
+            model = routes_to_model(mb, mb.routes)
+            assert model.shape == (mb.model_shape[0] * mb.model_shape[1], LAYERS, TOP_K)
+            back = routes_to_rows(mb, model)
+            for j, n in enumerate(mb.lengths.tolist()):
+                assert torch.equal(back[j, :n], routes[int(mb.rows[j]), :n])
+    mb: MicroBatch = micro_batches(batch, 100, thd=0)[0]  # one padded [4, 14] batch: row 3 is 6 long
+    model = routes_to_model(mb, mb.routes).view(14, 4, LAYERS, TOP_K)  # [s, b]
+    assert torch.equal(model[2, 1], routes[int(mb.rows[1]), 2])
+    assert torch.equal(model[10, 3], torch.arange(TOP_K, dtype=torch.uint8).expand(LAYERS, TOP_K))
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_r2_records_transformers_routes_and_the_update_replays_given_ones_exactly(hf_dir):
+    actor = _actor(hf_dir, "r2")
+    batch = _batch()
+    lp, _ = actor.compute_logprobs(batch, record_routes=True)
+    hf_lp, hf_routes = _hf_pass(hf_dir, batch)
+    for i, n in enumerate(batch.lengths.tolist()):  # the experts transformers' routers pick, every token
+        assert torch.equal(batch.routes[i, :n].long().sort(-1).values, hf_routes[i, :n])
+    assert torch.allclose(lp, hf_lp, atol=1e-5)
+
+    # other experts than the router's own: the update replays them, so it computes transformers' forced policy
+    forced = torch.stack([torch.randperm(EXPERTS, generator=torch.Generator().manual_seed(t))[:TOP_K]
+                          for t in range(batch.input_ids.numel() * LAYERS)]).view(*batch.input_ids.shape, LAYERS,
+                                                                                   TOP_K)
+    forced_lp, _ = _hf_pass(hf_dir, batch, forced)
+    assert (forced_lp - hf_lp).abs().max() > 1e-2  # the forced routes change the policy
+    batch.routes, batch.old_logprobs = forced.to(torch.uint8), forced_lp
+    m = actor.train_step(batch)
+    assert m["approx_kl"] < 1e-10 and m["clipfrac_high"] == m["clipfrac_low"] == 0.0  # ratio 1: pi_theta = pi_old
+    tokens = batch.loss_mask.sum()
+    assert m["loss"] == pytest.approx(-(batch.advantages[:, None] * batch.loss_mask).sum().item() / tokens.item(),
+                                      abs=1e-6)
+    assert m["moe/routing_agreement"] < 0.5  # its own router would have picked mostly others
+    assert m["moe/expert_load_max_over_mean"] >= 1.0
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_without_replay_the_update_routes_by_itself(hf_dir):
+    """The same forced pi_old without replay: the update's own routing gives another policy (ratio != 1)."""
+    actor = _actor(hf_dir, "none")
+    batch = _batch()
+    forced = torch.zeros(*batch.input_ids.shape, LAYERS, TOP_K, dtype=torch.long)
+    forced[..., 1] = 1  # experts 0 and 1 for every token
+    batch.old_logprobs, _ = _hf_pass(hf_dir, batch, forced)
+    batch.routes = forced.to(torch.uint8)
+    m = actor.train_step(batch)
+    assert m["approx_kl"] > 1e-6 and "moe/routing_agreement" not in m  # replayed: < 1e-10
+
+
+def test_r2_is_refused_on_a_dense_model(tmp_path):
+    from megatron_dapo.actor.actor import Actor
+    from megatron_dapo.actor.model import spec_from_hf
+
+    spec = spec_from_hf(tiny_model("qwen3", seed=1, vocab_size=VOCAB, head_dim=24).config)
+    cfg = Config()
+    cfg.actor.routing_replay = "r2"
+    with pytest.raises(ValueError, match="routing_replay=r2 needs a MoE model"):
+        Actor(spec, cfg.model, cfg.parallel, cfg.actor)
+
+
+LAYOUTS = {"ep2": (1, 1, 2), "pp2": (1, 2, 1)}
+"""(tp, pp, ep). Not TP2: Megatron refuses to train a MoE model with TP > 1 without sequence parallelism, and the
+local spec's torch norms refuse sequence parallelism (Transformer Engine's take it: the sequence-parallel slice
+and gather of the routes, RouteKeeper, meet their first test on a GPU)."""
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_r2_replays_exactly_at_ep2_and_pp2(hf_dir, tmp_path, env, layout):
+    """Each layout's update replays the forced routes (its TP slice of the tokens, its DP rows, its stage's layers):
+    ratio 1 against transformers' forced policy on every rank, the loss the advantages alone give."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_dapo.parallel import free_port
+
+    batch = _batch()
+    forced = torch.stack([torch.randperm(EXPERTS, generator=torch.Generator().manual_seed(t))[:TOP_K]
+                          for t in range(batch.input_ids.numel() * LAYERS)]).view(*batch.input_ids.shape, LAYERS,
+                                                                                   TOP_K)
+    batch.old_logprobs, _ = _hf_pass(hf_dir, batch, forced)
+    batch.routes = forced.to(torch.uint8)
+    torch.save(batch, tmp_path / "batch.pt")
+    tp, pp, ep = LAYOUTS[layout]
+    worker = Path(__file__).parent / "workers" / "moe_worker.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(worker), "replay", str(hf_dir), str(tmp_path), str(tp), str(pp), str(ep)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**env, "REPLAY_BATCH": str(tmp_path / "batch.pt")},
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-5000:]
+    loss = -(batch.advantages[:, None] * batch.loss_mask).sum().item() / batch.loss_mask.sum().item()
+    for rank in range(2):
+        m = torch.load(tmp_path / f"rank_{rank}.pt", weights_only=False)["models"][hf_dir.name]["metrics"]
+        assert m["approx_kl"] < 1e-10 and m["clipfrac_high"] == m["clipfrac_low"] == 0.0, (layout, m)
+        assert m["loss"] == pytest.approx(loss, abs=1e-6)
+        assert m["moe/routing_agreement"] < 0.5
