@@ -9,18 +9,37 @@ GSM8K's ``####``), a missing or empty ``Answer:`` line falls through, in this or
 
 The ground truth may be plain (``"13"``), LaTeX (``"$\\frac{1}{2}$"``, ``"\\boxed{13}"``) or GSM8K
 (``"... #### 1,234"``: the text after the last ``####``). Both sides go through the same Minerva-style
-normalisation (Lewkowycz et al. 2022), which also drops wrappers real completions put around the
-answer: ``$..$``, ``$$..$$``, ``\\(..\\)``, ``\\[..\\]``, ``\\boxed``/``\\fbox``, ``\\text``, ``\\textbf``,
-``\\mathbf``, ``\\mathrm``, ``**..**`` and a percent sign (``42\\%``, ``42%``), nested ones too. A wrapper
-counts only when it encloses the WHOLE answer (after trimming whitespace and a final period); anything else
-is read as written, so ``\\( 4 \\)2`` or ``$4$ $2$`` never becomes 42.
+normalisation (Lewkowycz et al. 2022), which also reads the answer from inside the wrappers real completions
+put around it: ``$..$``, ``$$..$$``, ``\\(..\\)``, ``\\[..\\]``, ``\\boxed``/``\\fbox``, ``\\text``,
+``\\textbf``, ``\\mathbf``, ``\\mathrm``, ``\\overline``, ``*``/``**`` emphasis, nested ones too, and a
+final percent sign (``42\\%``, ``42%``). The wrapper rule, applied from the outside in:
+
+- Whitespace and a final period at the ends are dropped, and the answer is split into remark, core,
+  remark. A remark is prose: letters, whitespace, ``.,;:?()"*``, dashes, quotes, CJK punctuation, a hyphen
+  or apostrophe inside a word. The core runs from the first to the last character that is not prose: a
+  digit, ``$``, a backslash and what it escapes, a brace or bracket, an operator, ``!``, a ``-`` or ``'``
+  not inside a word.
+- A wrapper counts when it encloses the WHOLE core (or is ``*`` emphasis touching it) and no letter touches
+  the core: ``the result is $753$ (final)``, ``\\boxed{753}, as shown``, ``**753** (final)`` are all 753.
+- Otherwise the answer is read as written, so a wrapped fragment glued to more of the answer never spells
+  a number it does not: ``\\( 4 \\)2``, ``$4$2``, ``4$2$``, ``$4$x``, ``-$4$``, ``$4$!`` match neither 4
+  nor 42. A digit outside the wrapper is in the core (``$4$ 2``, ``$753$ (part 2)``: as written), and so is
+  a second wrapped fragment: ``$3$ or $4$`` is ambiguous and matches nothing (``$4$ or $4$`` neither).
+- Without a wrapper around the core, remarks are not dropped (``753 (final)``, ``42% of them``: as
+  written): nothing then says where the math ends (``2 pi``). Units after a wrapped number are a remark
+  (``$7$ apples``); after a plain one Minerva's list drops the common ones (``12 dollars``).
+
+Minerva (verl's ``normalize_final_answer``) keeps what the first ``$..$`` encloses, whatever surrounds it
+(``$4$2`` is 4, ``$3$ or $4$`` is 3), and drops the remarks around that wrapper only;
+tests/test_reward_minerva.py compares the two case by case.
+
 Integers compare by value ("007" == "7", "-0" == "0", "1,000" == "1000", "12.0" == "12"); anything else
 by normalised string equality.
 
 Work is bounded for any input: markers are searched only in the last ``SEARCH_TAIL_CHARS`` characters
 of the response, a candidate answer is at most ``MAX_ANSWER_CHARS`` long, truths longer than
-``MAX_TRUTH_CHARS`` never match, brace matching is one linear pass, peeling wrappers is linear, and every
-regex is linear.
+``MAX_TRUTH_CHARS`` never match, brace matching is one linear pass, peeling wrappers is linear (a peel
+scans only the remark and emphasis it drops), and every regex is linear.
 """
 
 from __future__ import annotations
@@ -50,13 +69,20 @@ MAX_TRUTH_CHARS = 10_000  # longer ground truths are treated as unmatchable (acc
 
 _log = logging.getLogger(__name__)
 
-_ANSWER_MARKER = re.compile(r"answer[ \t*]*:", re.IGNORECASE)
+_ANSWER_MARKER = re.compile(r"answer[ \t*]*:\**", re.IGNORECASE)  # "**Answer:**" ends after the "**"
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _WRAPPER_COMMANDS = ("\\text", "\\textbf", "\\mathbf", "\\mathrm", "\\overline")
 _BRACE_WRAPPERS = tuple(f"{command}{{" for command in _BOX_COMMANDS + _WRAPPER_COMMANDS)
 # (opening, closing, tokens the content may not hold): math delimiters do not nest.
 _DELIMITERS = (("$$", "$$", ("$",)), ("$", "$", ("$",)), ("\\(", "\\)", ("\\(", "\\)")),
                ("\\[", "\\]", ("\\[", "\\]")))
+# Characters a remark around a wrapped answer may hold besides letters and whitespace (see _is_prose); no
+# digits, no "$", "\\", braces, brackets, operators, "!" (a factorial) or a minus sign.
+_PROSE_PUNCTUATION = frozenset(
+    ".,;:?()\"*\u2014\u2013\u2026\u201c\u201d\uff0c\u3002\uff1a\uff1b\uff1f\uff08\uff09"  # dashes, CJK
+)
+_IN_WORD = frozenset("-'\u2019")  # prose only between two letters: "well-known", "that's"
+_EMPHASIS_AND_SPACE = "* \t\n\r\f\v"
 _FRAC_SHORTHAND = re.compile(r"frac([^{])(.)")
 _SQRT_SHORTHAND = re.compile(r"sqrt([^{])")
 _THOUSANDS = re.compile(r"[+-]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?")
@@ -115,12 +141,67 @@ def _closing_braces(text: str) -> dict[int, int]:
 
 
 def _trimmed(text: str, lo: int, hi: int) -> tuple[int, int]:
-    """``text[lo:hi]`` without whitespace and markdown emphasis at its ends, nor a final period."""
-    while lo < hi and (text[lo].isspace() or text[lo] == "*"):
+    """``text[lo:hi]`` without whitespace at its ends, nor a final period."""
+    while lo < hi and text[lo].isspace():
         lo += 1
-    while hi > lo and (text[hi - 1].isspace() or text[hi - 1] in "*."):
+    while hi > lo and (text[hi - 1].isspace() or text[hi - 1] == "."):
         hi -= 1
     return lo, hi
+
+
+def _is_prose(text: str, i: int) -> bool:
+    """Whether ``text[i]`` can belong to a remark around the answer: a letter, whitespace, prose punctuation,
+    markdown emphasis, or a hyphen/apostrophe inside a word. Digits, ``$``, ``\\``, braces, operators, and
+    what a backslash escapes (the ``)`` of ``\\)``) are not."""
+    ch = text[i]
+    if i > 0 and text[i - 1] == "\\":
+        return False
+    if ch.isalpha() or ch.isspace() or ch in _PROSE_PUNCTUATION:
+        return True
+    return ch in _IN_WORD and 0 < i < len(text) - 1 and text[i - 1].isalpha() and text[i + 1].isalpha()
+
+
+def _core(text: str, lo: int, hi: int) -> tuple[int, int]:
+    """``text[lo:hi]`` without the prose at its ends: from its first to its last non-prose character."""
+    while lo < hi and _is_prose(text, lo):
+        lo += 1
+    while hi > lo and _is_prose(text, hi - 1):
+        hi -= 1
+    return lo, hi
+
+
+def _emphasis(text: str, lo: int, hi: int, core_lo: int, core_hi: int) -> tuple[int, int]:
+    """How many ``*`` touch the core ``text[core_lo:core_hi]`` on its left and on its right, in ``lo:hi``."""
+    left = core_lo
+    while left > lo and text[left - 1] == "*":
+        left -= 1
+    right = core_hi
+    while right < hi and text[right] == "*":
+        right += 1
+    return core_lo - left, right - core_hi
+
+
+def _glued(text: str, lo: int, hi: int, core_lo: int, core_hi: int) -> bool:
+    """Whether a letter touches the core (past the ``*`` of emphasis): ``x$4$``, ``$4$x``, ``**4**x``."""
+    left, right = _emphasis(text, lo, hi, core_lo, core_hi)
+    before, after = core_lo - left - 1, core_hi + right
+    return (before >= lo and text[before].isalpha()) or (after < hi and text[after].isalpha())
+
+
+def _peeled(text: str, lo: int, hi: int, core_lo: int, core_hi: int,
+            closing: dict[int, int]) -> tuple[int, int] | None:
+    """The window the answer ``text[lo:hi]`` (remark, core ``text[core_lo:core_hi]``, remark) is read from
+    once its outermost wrapper is dropped, or None. The wrapper counts when it encloses the whole core
+    (``$..$``, ``\\boxed{..}``, ...) or is ``*`` emphasis touching it, and no letter is glued on; a final
+    percent sign is dropped only when there is no remark (``42%``, not ``42% of them``)."""
+    if _glued(text, lo, hi, core_lo, core_hi):
+        return None
+    inner = _inside(text, core_lo, core_hi, closing)
+    if inner is not None:
+        return inner
+    if (core_lo, core_hi) == (lo, hi):  # a percent sign ends a number without marking off a remark
+        return _without_percent(text, lo, hi)
+    return (core_lo, core_hi) if any(_emphasis(text, lo, hi, core_lo, core_hi)) else None
 
 
 def _inside(text: str, lo: int, hi: int, closing: dict[int, int]) -> tuple[int, int] | None:
@@ -133,6 +214,11 @@ def _inside(text: str, lo: int, hi: int, closing: dict[int, int]) -> tuple[int, 
     for command in _BRACE_WRAPPERS:
         if text.startswith(command, lo) and closing.get(lo + len(command) - 1) == hi - 1:
             return lo + len(command), hi - 1
+    return None
+
+
+def _without_percent(text: str, lo: int, hi: int) -> tuple[int, int] | None:
+    """``text[lo:hi]`` without its final percent sign (``42\\%``, ``42%``), or None when it has none."""
     for percent in ("\\%", "%"):
         if text.endswith(percent, lo, hi):
             return lo, hi - len(percent)
@@ -140,14 +226,19 @@ def _inside(text: str, lo: int, hi: int, closing: dict[int, int]) -> tuple[int, 
 
 
 def _unwrapped(text: str) -> str:
-    """``text`` without the wrappers that enclose ALL of it, peeled from the outside in
-    (``$\\mathbf{42}\\%$.`` -> ``42``); a wrapper around part of it stays as written (``\\(4\\)2``).
-    Linear in ``len(text)``: the braces are matched once and every other test is a bounded string search."""
+    """``text`` read from inside its wrappers, peeled from the outside in (``$\\mathbf{42}\\%$.`` -> ``42``,
+    ``Answer is $753$ (final)`` -> ``753``); a wrapper around part of the answer stays as written
+    (``\\(4\\)2``).
+    Linear in ``len(text)``: the braces are matched once, each peel scans only the prose it drops and the
+    ``*`` next to it, and every other test is a bounded string search."""
     closing = _closing_braces(text)
     lo, hi = 0, len(text)
     while True:
         lo, hi = _trimmed(text, lo, hi)
-        inner = _inside(text, lo, hi, closing)
+        core_lo, core_hi = _core(text, lo, hi)
+        if core_lo == core_hi:  # prose only ("(B)", "**Monday**"): without its emphasis, as before
+            return text[lo:hi].strip(_EMPHASIS_AND_SPACE)
+        inner = _peeled(text, lo, hi, core_lo, core_hi, closing)
         if inner is None:
             return text[lo:hi]
         lo, hi = inner
@@ -156,9 +247,9 @@ def _unwrapped(text: str) -> str:
 def normalize_answer(answer: str) -> str:
     """Minerva-style normalisation of a final answer (plus sign, period and separator cleanup).
 
-    Wrappers count only around the whole answer (see ``_unwrapped``): before the last ``=`` is taken and
-    again after Minerva's substitutions (which drop spaces, units and escaped dollars)."""
-    text = _unwrapped(answer.replace("\\$", "")).rsplit("=", 1)[-1]
+    Wrappers are read by the rule of ``_unwrapped``: before the last ``=`` is taken, after it (``x = $5$
+    (final)``), and after Minerva's substitutions (which drop spaces, units and escaped dollars)."""
+    text = _unwrapped(_unwrapped(answer.replace("\\$", "")).rsplit("=", 1)[-1])
     for before, after in SUBSTITUTIONS:
         text = text.replace(before, after)
     for expr in REMOVED_EXPRESSIONS:
@@ -190,9 +281,12 @@ def _answers_equal(pred: str, truth: str) -> bool:
 
 
 def _line_after(text: str, pos: int) -> str:
-    """The rest of the line from ``pos`` (or the next non-empty line), capped in length."""
-    rest = text[pos:pos + MAX_ANSWER_CHARS].lstrip()
-    return rest.split("\n", 1)[0].strip().strip("*").strip()
+    """The rest of the line from ``pos`` (or the next non-empty line), capped in length; without the ``*``
+    at its ends when they mark up the whole line (``**42**``, ``42**``), kept when they bold a part
+    (``**7** (final)``)."""
+    line = text[pos:pos + MAX_ANSWER_CHARS].lstrip().split("\n", 1)[0].strip()
+    bare = line.strip(_EMPHASIS_AND_SPACE)
+    return line if "*" in bare else bare
 
 
 def _candidates(tail: str, answer_fallback: AnswerFallback) -> list[str]:
