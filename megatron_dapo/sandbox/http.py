@@ -18,6 +18,9 @@ import urllib.request
 from megatron_dapo.sandbox.types import SandboxConfig, SandboxUnavailable, ToolResult
 
 
+BACKOFF_S = 0.5  # the first retry's wait; doubles, at most 8 s
+
+
 class _Retry(Exception):
     pass
 
@@ -78,7 +81,7 @@ class HttpSandbox:
         why = ""
         for attempt in range(self.cfg.http_retries + 1):
             if attempt:
-                time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
+                time.sleep(min(BACKOFF_S * 2 ** (attempt - 1), 8.0))
             t0 = time.monotonic()
             try:
                 return to_result(self._post(payload), self.cfg, time.monotonic() - t0)
