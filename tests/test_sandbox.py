@@ -139,8 +139,8 @@ def test_infinite_loop_times_out_on_the_wall_clock():
 
 
 def test_cpu_limit_stops_a_busy_loop_before_the_wall_clock():
-    r = run("while True:\n    pass", timeout_s=8.0, cpu_s=1.0)
-    assert r.status == "timeout" and "cpu time" in r.reason and r.seconds < 6.0
+    r = run("while True:\n    pass", timeout_s=60.0, cpu_s=1.0)  # the wall clock is far; on a busy machine
+    assert r.status == "timeout" and r.reason == "cpu time 1 s" and r.exit_code == 128 + 24  # SIGXCPU
 
 
 def test_output_flood_is_truncated_and_killed():

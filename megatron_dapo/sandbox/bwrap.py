@@ -3,7 +3,7 @@
 Inside: new user, pid, network (loopback only), ipc, uts and mount namespaces; the interpreter's prefix (stdlib)
 and optionally its site-packages read-only, /usr /lib /bin read-only, a fresh size-limited /tmp (the only
 writable place), no environment but a few fixed variables. A small launcher sets the resource limits, drops to
-uid 65534 and execs `python -I /sandbox/main.py`.
+uid 65534 and runs /sandbox/main.py as __main__ (`python -I`).
 
 Root ignores RLIMIT_NPROC (the kernel exempts kuid 0), and bwrap's own `--uid` maps the sandbox's uid to the
 caller's, root. So a root caller builds the user namespace itself (`--userns`): ns uid 0 -> 0 (bwrap mounts with
@@ -33,9 +33,10 @@ PROJECT = Path(__file__).resolve().parents[2]
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # threads count as processes
 
-# Runs as `python -I -c LAUNCHER mem cpu fsize nofile nproc uid`: limits first, then the uid drop, then the
-# snippet in a fresh interpreter (its traceback shows only its own frames).
-LAUNCHER = """import os, resource as R, sys
+# Runs as `python -I -c LAUNCHER mem cpu fsize nofile nproc uid FILE`: limits first, then the uid drop, then FILE
+# as __main__ in this same interpreter (a second one would double a call's start-up); an uncaught exception's
+# traceback starts at FILE's frames, as `python FILE` prints it, and exits 1.
+LAUNCHER = """import os, resource as R, runpy, sys, traceback
 mem, cpu, fsize, nofile, nproc, uid = map(int, sys.argv[1:7])
 for lim, v in ((R.RLIMIT_AS, mem), (R.RLIMIT_FSIZE, fsize), (R.RLIMIT_NOFILE, nofile), (R.RLIMIT_NPROC, nproc),
                (R.RLIMIT_CORE, 0)):
@@ -43,7 +44,18 @@ for lim, v in ((R.RLIMIT_AS, mem), (R.RLIMIT_FSIZE, fsize), (R.RLIMIT_NOFILE, no
 R.setrlimit(R.RLIMIT_CPU, (cpu, cpu + 1))
 if uid >= 0:
     os.setresuid(uid, uid, uid)
-os.execv(sys.executable, [sys.executable, "-I", sys.argv[7]])
+path = sys.argv[7]
+sys.argv = [path]
+try:
+    runpy.run_path(path, run_name="__main__")
+except (SystemExit, KeyboardInterrupt):
+    raise
+except BaseException as e:
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != path:
+        tb = tb.tb_next
+    traceback.print_exception(type(e), e, tb or e.__traceback__)
+    sys.exit(1)
 """
 
 
