@@ -211,7 +211,7 @@ def test_pool_runs_calls_in_parallel():
         submitted = time.monotonic() - t0
         results = [f.result() for f in futures]
         wall = time.monotonic() - t0
-    assert submitted < 0.1  # the caller is not blocked
+    assert submitted < nap / 2  # the caller is not blocked (one blocking call alone would take nap)
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(n)]
     assert wall < n * nap  # serially it would take at least n * nap
 
