@@ -20,8 +20,9 @@ class SandboxConfig:
 
     timeout_s: float = 10.0  # wall clock of a call, enforced from outside (the sandbox is killed): status timeout
     cpu_s: float = 0.0  # CPU seconds (RLIMIT_CPU); 0 = timeout_s rounded up: status timeout
-    memory_mb: int = 1024  # address space of each process (RLIMIT_AS): allocations beyond fail (MemoryError)
-    max_processes: int = 32  # processes + threads of the sandbox's user (RLIMIT_NPROC, non-root uid in its userns)
+    memory_mb: int = 1024  # address space of each process (RLIMIT_AS): allocations beyond fail (MemoryError);
+    # a call holds at most memory_mb x max_processes + disk_mb (its /tmp is memory)
+    max_processes: int = 4  # processes + threads, the snippet's included (RLIMIT_NPROC, non-root uid in its userns)
     max_output_bytes: int = 65536  # per stream; more and the sandbox is killed: status killed, output truncated
     disk_mb: int = 64  # size of its /tmp (the only writable place) and RLIMIT_FSIZE
     max_open_files: int = 256  # RLIMIT_NOFILE
@@ -40,9 +41,6 @@ class SandboxConfig:
         for name in ("cpu_s", "http_timeout_s", "http_retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"sandbox.{name} must be >= 0, got {getattr(self, name)!r}")
-        if self.max_processes < 2:
-            raise ValueError(f"sandbox.max_processes must be >= 2 (the launcher and the snippet), "
-                             f"got {self.max_processes}")
 
     @property
     def cpu_limit_s(self) -> int:
