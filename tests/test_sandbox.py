@@ -113,6 +113,8 @@ def test_trainer_processes_are_invisible_and_unsignalable():
         import os, signal
         print("uid", os.getuid(), os.getgid(), os.getgroups())
         print("pids", sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
+        status = dict(line.split(":\t", 1) for line in open("/proc/self/status").read().splitlines())
+        print("caps", status["CapEff"].strip(), status["CapPrm"].strip(), "nnp", status["NoNewPrivs"].strip())
         for pid in ({os.getpid()}, {os.getppid()}, 1):
             try:
                 os.kill(pid, signal.SIGTERM if pid != 1 else 0)
@@ -122,6 +124,7 @@ def test_trainer_processes_are_invisible_and_unsignalable():
         """)
     assert r.status == "ok", r.stderr
     assert "uid 65534 65534 []" in r.stdout
+    assert "caps 0000000000000000 0000000000000000 nnp 1" in r.stdout
     pids = json.loads(r.stdout.split("pids ")[1].splitlines()[0])
     assert os.getpid() not in pids and len(pids) <= 3  # bwrap's init, the snippet, maybe its launcher
     assert f"no {os.getpid()}" in r.stdout and f"no {os.getppid()}" in r.stdout
@@ -229,3 +232,23 @@ def test_config_rejects_nonsense():
         SandboxConfig(timeout_s=0)
     with pytest.raises(ValueError, match="sandbox.max_processes must be > 0"):
         SandboxConfig(max_processes=0)
+
+
+NON_ROOT_CALLER = """
+from megatron_dapo.sandbox import SandboxConfig, run_code
+code = "import os\\nn = 0\\ntry:\\n    while os.fork():\\n        n += 1\\nexcept OSError:\\n    print(os.getuid(), n, os.path.exists('/work'))"
+print(run_code(code, SandboxConfig(max_processes=8, site_packages=False)).stdout, end="")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"), reason="needs root to become uid "
+                    "65534 and a world-readable /usr/bin/python3")
+def test_a_non_root_caller_gets_the_same_limits(tmp_path):
+    """The other path of bwrap.launch: the trainer as uid 65534 (bwrap's own --unshare-user)."""
+    as_nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "env", f"PYTHONPATH={REPO}",
+                 "HOME=/tmp", "/usr/bin/python3"]
+    if subprocess.run([*as_nobody, "-c", "import megatron_dapo.sandbox"], cwd="/", capture_output=True).returncode:
+        pytest.skip(f"uid 65534 cannot import the package from {REPO}")
+    out = subprocess.run([*as_nobody, "-c", NON_ROOT_CALLER], cwd="/", capture_output=True, text=True, timeout=60)
+    uid, forked, sees_work = out.stdout.split()
+    assert (uid, sees_work) == ("65534", "False") and int(forked) < 8, out.stderr

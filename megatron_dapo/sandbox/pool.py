@@ -34,7 +34,7 @@ class SandboxPool:
         return [f.result() for f in [self.submit(c) for c in codes]]
 
     def close(self) -> None:
-        """Wait for the calls already submitted (each ends within its timeout), then stop the threads."""
+        """Cancel the calls not started yet, wait for the running ones (each ends within its timeout)."""
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> SandboxPool:
