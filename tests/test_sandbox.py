@@ -38,6 +38,18 @@ def run(code: str, **limits) -> "object":
     return run_code(textwrap.dedent(code), SandboxConfig(**{"timeout_s": 10.0, **limits}))
 
 
+def processes_running(marker: str) -> list[int]:
+    """Host pids whose command line holds `marker`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
 def test_ok_error_and_the_traceback():
     ok = run("print('hello', 6 * 7)")
     assert (ok.status, ok.stdout, ok.stderr, ok.exit_code) == ("ok", "hello 42\n", "", 0)
@@ -153,25 +165,31 @@ def test_output_flood_is_truncated_and_killed():
 
 
 def test_fork_bomb_is_bounded_and_dies_with_the_sandbox():
-    marker = uuid.uuid4().hex
-    r = run(f"""
-        import os, time
-        n = 0
-        try:
-            for _ in range(500):
-                if os.fork() == 0:
-                    time.sleep(60)  # {marker}
-                    os._exit(0)
-                n += 1
-        except OSError as e:
-            print("stopped", type(e).__name__)
-        print("forked", n)
-        """, max_processes=16)
-    assert r.status == "ok" and "stopped BlockingIOError" in r.stdout
-    assert int(r.stdout.split("forked ")[1]) < 16 and r.seconds < 5
+    marker = uuid.uuid4().hex  # on the children's command lines, so the host can look for them
+    code = f"""
+import os, sys, time
+n = 0
+try:
+    for _ in range(500):
+        if os.fork() == 0:
+            os.execv(sys.executable, [sys.executable, "-S", "-c", "import time; time.sleep(60)", "{marker}"])
+        n += 1
+except OSError as e:
+    print("stopped", type(e).__name__)
+print("forked", n, flush=True)
+time.sleep(1.5)
+"""
+    seen = 0
+    with SandboxPool(SandboxConfig(max_processes=16, timeout_s=20)) as pool:
+        future = pool.submit(code)
+        while not future.done():
+            seen = max(seen, len(processes_running(marker)))
+            time.sleep(0.05)
+        r = future.result()
+    assert r.status == "ok" and "stopped BlockingIOError" in r.stdout, r
+    assert 0 < seen <= int(r.stdout.split("forked ")[1]) < 16  # the children were there, and visible from here
     time.sleep(0.2)
-    survivors = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
-    assert survivors == []  # the children went with the sandbox's pid namespace
+    assert processes_running(marker) == []  # they went with the sandbox's pid namespace
 
 
 def test_disk_fill_is_bounded():
