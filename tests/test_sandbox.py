@@ -270,3 +270,11 @@ def test_a_non_root_caller_gets_the_same_limits(tmp_path):
     out = subprocess.run([*as_nobody, "-c", NON_ROOT_CALLER], cwd="/", capture_output=True, text=True, timeout=60)
     uid, forked, sees_work = out.stdout.split()
     assert (uid, sees_work) == ("65534", "False") and int(forked) < 8, out.stderr
+
+
+def test_a_bind_over_the_project_is_refused():
+    from megatron_dapo.sandbox.bwrap import refuse_covering
+    for path in (PROJECT, PROJECT.parent, Path("/")):
+        with pytest.raises(SandboxUnavailable, match="would expose the project"):
+            refuse_covering(str(path))
+    refuse_covering(str(PROJECT / "megatron_dapo"))  # inside it, not covering it: bwrap.mounts never binds that

@@ -101,21 +101,21 @@ def _ancestors(path: str) -> list[str]:
 
 
 def mounts(cfg: SandboxConfig, interp: Interpreter) -> list[str]:
+    shown = interp.site if cfg.site_packages and interp.site and os.path.isdir(interp.site) else ""
+    for path in ("/usr", "/lib", "/lib64", "/bin", interp.prefix, shown):
+        if path:
+            refuse_covering(path)
     args = ["--ro-bind", "/usr", "/usr", "--ro-bind-try", "/lib", "/lib", "--ro-bind-try", "/lib64", "/lib64",
             "--ro-bind-try", "/bin", "/bin", "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
     for d in _ancestors(interp.prefix):  # bwrap copies a 0700 parent's mode (/root): the sandbox uid needs x
         args += ["--perms", "0755", "--dir", d]
     args += ["--ro-bind", interp.prefix, interp.prefix]
-    inside_prefix = interp.site.startswith(interp.prefix + os.sep)
-    if cfg.site_packages and interp.site and not inside_prefix and os.path.isdir(interp.site):
-        args += ["--ro-bind", interp.site, interp.base_site]  # a venv's packages where the base python looks
+    if shown and not shown.startswith(interp.prefix + os.sep):
+        args += ["--ro-bind", shown, interp.base_site]  # a venv's packages where the base python looks
     elif not cfg.site_packages and os.path.isdir(interp.base_site):
-        args += ["--tmpfs", interp.base_site, "--remount-ro", interp.base_site]
-    args += ["--proc", "/proc", "--dev", "/dev",
-             "--perms", "1777", "--size", str(cfg.disk_mb << 20), "--tmpfs", "/tmp"]
-    for path in ("/usr", "/lib", "/lib64", "/bin", interp.prefix, interp.site if cfg.site_packages else "/usr"):
-        refuse_covering(path)
-    return args
+        args += ["--tmpfs", interp.base_site, "--remount-ro", interp.base_site]  # the installation's own, hidden
+    return args + ["--proc", "/proc", "--dev", "/dev",
+                   "--perms", "1777", "--size", str(cfg.disk_mb << 20), "--tmpfs", "/tmp"]
 
 
 def userns_for_root() -> int:
