@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "megatron_dapo"
 LOWER = ("megatron_dapo.data", "megatron_dapo.reward", "megatron_dapo.algo", "megatron_dapo.types",
-         "megatron_dapo.config")
+         "megatron_dapo.config", "megatron_dapo.sandbox")
 UPPER = ("megatron_dapo.actor", "megatron_dapo.rollout", "megatron_dapo.loop")
 MAX_PACKAGE_LINES = 400
 MAX_TOOL_LINES = 250
