@@ -98,7 +98,10 @@ class Recipe:
     def fingerprint(self) -> str:
         """"<version>-<hash>" of everything that shapes a default build besides the code: the
         `settings` defaults, the training prompts and the warm-start data constants."""
-        recipe = {"settings": asdict(self.settings), "train_prompts": self.train_spec, **self.data}
+        settings = asdict(self.settings)
+        if not settings["experts"]:  # a dense base: its fingerprint as before the MoE fields existed
+            del settings["experts"], settings["experts_per_token"]
+        recipe = {"settings": settings, "train_prompts": self.train_spec, **self.data}
         if self.length_pool != 1:
             recipe["length_pool"] = self.length_pool
         digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]

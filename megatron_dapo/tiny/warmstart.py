@@ -40,6 +40,10 @@ class Settings:
     max_steps: int = 1000
     seconds: float = 300.0
     seed: int = 0
+    experts: int = 0
+    """> 0: a Qwen3-MoE of this many routed experts a layer (top `experts_per_token`, each `intermediate_size`
+    wide) instead of the dense Qwen2."""
+    experts_per_token: int = 2
     threads: int | None = 1
     """torch intra-op threads while building. One: this model's matrices are too small to gain much
     from a second thread, and on a busy 2-core machine two threads cost several times more (measured:
@@ -47,11 +51,15 @@ class Settings:
 
 
 def build_model(tokenizer: Any, settings: Settings) -> Any:
-    """A randomly initialised float32 Qwen2ForCausalLM sized by `settings` (uses the global torch RNG)."""
-    from transformers import Qwen2ForCausalLM
+    """A randomly initialised float32 Qwen2ForCausalLM (a Qwen3-MoE with `settings.experts`) sized by `settings`
+    (uses the global torch RNG)."""
+    from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 
+    moe = dict(num_experts=settings.experts, num_experts_per_tok=settings.experts_per_token,
+               moe_intermediate_size=settings.intermediate_size,
+               head_dim=settings.hidden_size // settings.num_heads) if settings.experts else {}
     config = tiny_config(
-        "qwen2",
+        "qwen3_moe" if settings.experts else "qwen2",
         tied=False,
         vocab_size=len(tokenizer),
         hidden_size=settings.hidden_size,
@@ -64,8 +72,9 @@ def build_model(tokenizer: Any, settings: Settings) -> Any:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
+        **moe,
     )
-    model = Qwen2ForCausalLM(config).float()
+    model = (AutoModelForCausalLM.from_config(config) if settings.experts else Qwen2ForCausalLM(config)).float()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = None
