@@ -4,9 +4,14 @@ a checkpoint after every step, the weight-sync probe on) runs here on the CPU, s
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import inspect
 import json
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -96,3 +101,74 @@ def test_the_tiny_job_runs_in_bf16_with_a_checkpoint_every_step(tmp_path, python
     assert result["ledger"]["memory/actor_asleep_in_generate"] == 1.0
     assert result["ledger"]["memory/engine_bytes_train"] == 0
     assert (tmp_path / "ckpt" / "gpu_tiny" / "hf_final" / "model.safetensors").is_file()
+
+
+def calls_on(path: Path, names: dict[str, type]) -> list[tuple[int, type, str, int, list[str]]]:
+    """Each call `var.method(...)` in a script whose `var` is in `names`: (line, class, method, positional
+    count, keywords); calls with *args / **kwargs are left out."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        f = node.func if isinstance(node, ast.Call) else None
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in names:
+            assert isinstance(node, ast.Call)
+            if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+                continue
+            found.append((node.lineno, names[f.value.id], f.attr, len(node.args), [k.arg for k in node.keywords]))
+    return found
+
+
+def test_the_gpu_workers_calls_bind_to_the_real_signatures():
+    """The CUDA-only workers run nowhere here: every call they make on the actor, the engine and the phases
+    must at least fit the methods' signatures (the type check, .ci/run, checks the types as well)."""
+    from megatron_dapo.actor.actor import Actor
+    from megatron_dapo.loop.phases import Phases
+    from megatron_dapo.rollout.embedded import EmbeddedEngine
+
+    workers: dict[str, dict[str, type]] = {
+        "phases_gpu_worker.py": {"phases": Phases, "actor": Actor, "engine": EmbeddedEngine},
+        "actor_gpu_worker.py": {"actor": Actor}}
+    checked = 0
+    for name, names in workers.items():
+        for line, cls, method, npos, keywords in calls_on(REPO / "tests" / "workers" / name, names):
+            sig = inspect.signature(getattr(cls, method))
+            try:
+                sig.bind(None, *[None] * npos, **dict.fromkeys(keywords))
+            except TypeError as e:
+                pytest.fail(f"{name}:{line}: {cls.__name__}.{method}{sig}: {e}")
+            checked += 1
+    assert checked >= 10
+    # the calls the phases GPU test makes, as the signatures stand today (sync gained `step`)
+    phases_calls = {(m, n) for _, _, m, n, _ in calls_on(REPO / "tests/workers/phases_gpu_worker.py",
+                                                         {"phases": Phases})}
+    assert ("sync", 1) in phases_calls
+
+
+def test_bench_actors_naive_baseline_overrides_what_the_actor_calls():
+    """tools/bench_actor.py's naive row (the memory baseline on CUDA) replaces one actor method: its
+    parameters must be the actor's, or the actor's call fails and the row is missing."""
+    from megatron_dapo.actor.actor import Actor
+
+    spec = importlib.util.spec_from_file_location("bench_actor", REPO / "tools" / "bench_actor.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    naive = bench.naive_actor_class()
+    overridden = [k for k, v in vars(naive).items() if callable(v) and hasattr(Actor, k)]
+    assert overridden
+    for name in overridden:
+        mine, theirs = inspect.signature(getattr(naive, name)), inspect.signature(getattr(Actor, name))
+        assert [(p.name, p.kind, p.default) for p in mine.parameters.values()] == \
+            [(p.name, p.kind, p.default) for p in theirs.parameters.values()], name
+
+
+def test_no_gpu_test_hides_its_script_in_a_string():
+    """A script passed as `python -c STRING` is neither type checked nor seen by a CPU test: the GPU tests
+    the check runs keep theirs in files (tests/workers/), and the type check reads tests/ and tools/."""
+    stage = (REPO / "tools" / "gpu_check.sh").read_text().split("stage pytest", 1)[1].split("\nstage ", 1)[0]
+    gpu_tests = re.findall(r"tests/test_\w+\.py", stage)
+    assert "tests/test_phases_gpu.py" in gpu_tests and "tests/test_actor_gpu.py" in gpu_tests
+    for test in gpu_tests:
+        assert '"-c"' not in (REPO / test).read_text(), test
+    assert "<<" not in (REPO / "tools" / "gpu_check.sh").read_text()  # no heredoc Python either
+    mypy = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mypy"]
+    assert {"megatron_dapo", "tests", "tools"} <= set(mypy["files"]) and mypy["check_untyped_defs"] is True

@@ -7,6 +7,7 @@ A file, not a string in the test, so the type check reads it.
 """
 
 import sys
+from typing import Literal
 
 import torch
 
@@ -14,8 +15,9 @@ from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
 from workers.actor_worker import fixed_batch, make_cfg
 
-CASES = [("local", "local", "float32"), ("te", "transformer_engine", "bfloat16"),
-         ("te_padded", "transformer_engine", "bfloat16")]
+CASES: list[tuple[str, Literal["local", "transformer_engine"], Literal["float32", "bfloat16"]]] = [
+    ("local", "local", "float32"), ("te", "transformer_engine", "bfloat16"),
+    ("te_padded", "transformer_engine", "bfloat16")]
 
 
 def main(hf_dir: str, out: str) -> None:
