@@ -128,9 +128,9 @@ class ForwardCounter:
             return counted
 
         for cls, forward in originals.items():
-            cls._forward = wrap(forward)
+            setattr(cls, "_forward", wrap(forward))
         try:
             yield
         finally:
             for cls, forward in originals.items():
-                cls._forward = forward
+                setattr(cls, "_forward", forward)

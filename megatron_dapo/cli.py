@@ -24,7 +24,7 @@ class UserError(Exception):
 
 def preflight_error(e: Exception) -> Exception:
     """Mark an error every rank hits identically (checks of the inputs): only rank 0 prints it."""
-    e.same_on_all_ranks = True
+    setattr(e, "same_on_all_ranks", True)
     return e
 
 
@@ -35,9 +35,10 @@ def run_cli(prog: str, main: Callable[[list[str] | None], int], argv: list[str] 
     In a multi-rank run an error that only some ranks hit is printed by each of them, prefixed with
     its rank; one marked by `preflight_error` only by rank 0.
     """
+    caught: tuple[type[BaseException], ...] = (UserError, *user_errors)
     try:
         return main(argv)
-    except (UserError, *user_errors) as e:
+    except caught as e:
         print_error(prog, e)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:

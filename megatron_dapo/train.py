@@ -214,6 +214,7 @@ def collect(run: RunState, step: int) -> StepRollout:
     the samples with the engine's policy version (its weights are those after step `version`)."""
     cfg = run.cfg
     version = run.pipeline.version if run.pipeline is not None else run.phases.step
+    rollout: StepRollout
     if cfg.rollout.streaming:
         plan = StreamPlan.from_config(cfg.algo, cfg.train.prompt_batch_size, cfg.rollout.max_inflight_groups,
                                       cfg.rollout.partial_rollout, cfg.rollout.max_carry_steps)
@@ -267,7 +268,7 @@ def rollout_logits_checked(run: RunState, after_step: int) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        cause = e
+        cause: BaseException | None = e
         while cause is not None and not isinstance(cause, NonFiniteLogitsError):
             cause = cause.__cause__ or cause.__context__
         if cause is None:

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -179,7 +180,8 @@ class FailingStream(RolloutStream):
     """Delivers `good` groups (of two 2-token samples), then fails."""
 
     def __init__(self, good: int) -> None:
-        self.keys, self.good, self.aborted = [], good, False
+        self.keys: list[int] = []
+        self.good, self.aborted = good, False
 
     @property
     def pending(self) -> int:
@@ -205,14 +207,14 @@ class FailingEngine(RolloutEngine):
     """Each stream it opens is a FailingStream(good); `streams` keeps them."""
 
     def __init__(self, good: int) -> None:
-        self.streams = []
+        self.streams: list[Any] = []
         self.good = good
 
     def stream(self):
         self.streams.append(FailingStream(self.good))
         return self.streams[-1]
 
-    generate = update_weights = sleep = wake = abort = shutdown = lambda self, *a: None
+    generate = update_weights = sleep = wake = abort = shutdown = lambda self, *a: None  # type: ignore[assignment]
     health = lambda self: True  # noqa: E731
 
 

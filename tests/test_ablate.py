@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,7 +23,7 @@ SWITCHES = ("algo.eps_high", "algo.loss_agg_mode", "algo.overlong_filtering", "r
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in tree.items():
         out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
     return out

@@ -5,6 +5,7 @@ run tests/workers/actor_worker.py under torchrun (gloo)."""
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ WORKER = Path(__file__).parent / "workers" / "actor_worker.py"
 
 GQA = {"num_attention_heads": 4, "num_key_value_heads": 2}
 H6 = {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 48, "intermediate_size": 96}
-MODELS = {"untied": {**GQA, "tied": False}, "tied": {**GQA, "tied": True},
+MODELS: dict[str, dict[str, Any]] = {"untied": {**GQA, "tied": False}, "tied": {**GQA, "tied": True},
           "h6": {**H6, "tied": False}, "h6_tied": {**H6, "tied": True}}
 """4 heads / 2 KV groups for TP2, 6 / 3 for TP3 (vocab 200 pads to 384 at TP3: rank 2 holds padding only)."""
 LAYOUTS = {  # name: (tp, pp, nproc, models, extra env)
@@ -57,7 +58,7 @@ def merged(results, model, key):
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    small = {"vocab_size": VOCAB, "max_position_embeddings": 128}
+    small: dict[str, Any] = {"vocab_size": VOCAB, "max_position_embeddings": 128}
     return {name: save_tiny_model(root / name, "qwen2", seed=0, **small, **kw) for name, kw in MODELS.items()}
 
 

@@ -46,7 +46,7 @@ def _build_all(tp: int, pp: int, ep: int, impl: str, families: tuple[str, ...]
         for tied in (False, True):
             spec = spec_from_hf(tiny_config(family, tied=tied, vocab_size=200, max_position_embeddings=128))
             cfg = Config()
-            cfg.model.dtype, cfg.model.transformer_impl = "float32", impl
+            cfg.model.dtype, cfg.model.transformer_impl = "float32", impl  # type: ignore[assignment]
             cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel = tp, pp
             cfg.parallel.expert_parallel = ep
             for init in (True, False):

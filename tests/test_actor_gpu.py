@@ -11,29 +11,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-SCRIPT = r"""
-import sys, torch
-from workers.actor_worker import fixed_batch, make_cfg
-from megatron_dapo import parallel
-from megatron_dapo.actor.actor import Actor
-hf_dir, out = sys.argv[1], sys.argv[2]
-cfg = make_cfg(1, 1)
-parallel.initialize(cfg.parallel, seed=7)
-res = {}
-for name, impl, dtype in [("local", "local", "float32"), ("te", "transformer_engine", "bfloat16"),
-                          ("te_padded", "transformer_engine", "bfloat16")]:
-    cfg.model.transformer_impl, cfg.model.dtype = impl, dtype
-    actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor)
-    if name == "te_padded":
-        actor.thd = 0  # a right-padded batch instead of Megatron's thd packing
-    b = fixed_batch()
-    res[name] = actor.compute_logprobs(b)
-    b.old_logprobs = res[name][0]
-    res[name + "_metrics"] = actor.train_step(b)
-    actor.sleep(); actor.wake()
-    res[name + "_after_wake"] = actor.compute_logprobs(b)[0]
-torch.save(res, out)
-"""
+WORKER = Path(__file__).parent / "workers" / "actor_gpu_worker.py"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -45,7 +23,7 @@ def test_te_bf16_logprobs_match_local_fp32(tmp_path, python_env):
 
     save_tiny_model(tmp_path / "hf", "qwen2", seed=0, vocab_size=VOCAB)
     env = {**python_env, "PYTHONPATH": f"{Path(__file__).parent}{os.pathsep}{python_env['PYTHONPATH']}"}
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "hf"), str(tmp_path / "out.pt")],
+    r = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "hf"), str(tmp_path / "out.pt")],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     res = torch.load(tmp_path / "out.pt")

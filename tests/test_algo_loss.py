@@ -3,6 +3,7 @@ invariance with and without importance weights."""
 
 import math
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -132,7 +133,7 @@ def test_validation():
 
 
 GSPO = {"eps_low": 0.03, "eps_high": 0.04}  # GSPO's own 3e-4 would clip every sequence of this batch
-DP_CASES = [
+DP_CASES: list[tuple[str, dict[str, Any]]] = [
     ("dapo", {}), ("dapo", {"clip_ratio_c": 1.2, "weighted": True}),
     ("gspo", GSPO), ("gspo", {**GSPO, "clip_ratio_c": 1.05, "weighted": True}),
     ("gspo", {**GSPO, "agg_mode": "seq-mean-token-mean"}),

@@ -4,6 +4,7 @@ invariance to micro-batch splits (the 2-rank data-parallel split is in test_algo
 importance weights, clip fractions, Dr. GRPO's advantages, and the registry (a user's decorated loss)."""
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -210,13 +211,13 @@ def test_micro_batch_split_invariance(kind, mode, corrected):
     base, old, adv, mask = random_batch(14)
     is_w = torch.rand(base.shape, generator=torch.Generator().manual_seed(5), dtype=F64) * 2
     eps_low, eps_high = CLIP_FOR_TESTS.get(kind, (None, None))
-    kw = {"agg_mode": mode, "kind": kind, "eps_low": eps_low, "eps_high": eps_high}
+    kw: dict[str, Any] = {"agg_mode": mode, "kind": kind, "eps_low": eps_low, "eps_high": eps_high}
     if corrected:
         kw["is_weights"] = is_w
         if policy_loss_spec(kind).dual_clip:
             kw["clip_ratio_c"] = 1.05 if kind == "gspo" else 1.2
     full_lp = base.clone().requires_grad_()
-    full_kw = {"max_response_len": 40} if kind == "dr_grpo" else {}
+    full_kw: dict[str, Any] = {"max_response_len": 40} if kind == "dr_grpo" else {}
     full, m = policy_loss(full_lp, old, adv, mask, **kw, **full_kw)
     full.backward()
     assert m.clipfrac_high > 0
@@ -280,7 +281,7 @@ def test_a_users_loss_is_refused_in_one_line(name, fragment):
 
 def test_a_name_cannot_be_taken_twice():
     with pytest.raises(PolicyLossLoadError, match="registered already"):
-        register_policy_loss("gspo")(lambda x: x)
+        register_policy_loss("gspo")(lambda x: x)  # type: ignore[arg-type,return-value]
     assert REGISTRY["gspo"].fn.__name__ == "gspo"
 
 

@@ -2,6 +2,7 @@
 
 import math
 import typing
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ F64 = torch.float64
 NAN = float("nan")
 
 # Token ratios pi_old / pi_rollout; None marks a masked position (its log-probs are garbage).
-RATIOS = [
+RATIOS: list[list[Any]] = [
     [3.0, 0.25, 1.5],  # one token above C = 2, one below 1/C
     [0.4, None, None],  # a sequence of one token
     [None, None, None],  # fully masked (e.g. overlong-filtered)

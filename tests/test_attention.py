@@ -112,7 +112,8 @@ def test_thd_packed_sequences_equal_each_sequence_on_its_own():
     out = core_attention()(q, k, v, None, packed_seq_params=params)
     assert out.shape == (t, 1, HEADS * DIM)
     got = (out, *torch.autograd.grad(out, (q, k, v), grad))
-    pieces = [reference(*(x[a:b].unsqueeze(1) for x in (q, k, v)), None) for a, b in itertools.pairwise(cu)]
+    pieces = [reference(q[a:b].unsqueeze(1), k[a:b].unsqueeze(1), v[a:b].unsqueeze(1), None)
+              for a, b in itertools.pairwise(cu)]
     ref = torch.cat(pieces)
     want = (ref, *torch.autograd.grad(ref, (q, k, v), grad))
     for g, w in zip(got, want):

@@ -2,6 +2,7 @@
 
 import logging
 import warnings
+from typing import Any
 
 import pytest
 
@@ -39,8 +40,8 @@ def test_user_errors_are_one_line_with_exit_2(single_rank, capsys):
 
 
 def test_main_gets_argv(single_rank):
-    seen = []
-    run_cli("prog", lambda argv: seen.append(argv) or 0, ["--x", "1"])
+    seen: list[Any] = []
+    run_cli("prog", lambda argv: seen.append(argv) or 0, ["--x", "1"])  # type: ignore[func-returns-value]
     assert seen == [["--x", "1"]]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from megatron_dapo.data import load_prompts
 from megatron_dapo.data.render import render_prompt_ids
@@ -29,8 +30,9 @@ def test_a_5000_digit_answer_is_one_skipped_row(tmp_path: Path):
 
 
 def test_a_5000_digit_ground_truth_in_dapo_format(tmp_path: Path):
-    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "reward_model": {"ground_truth": str(i)},
-             "data_source": "math_dapo"} for i in range(3)]
+    rows: list[dict[str, Any]] = [
+        {"prompt": [{"role": "user", "content": f"q{i}"}], "reward_model": {"ground_truth": str(i)},
+         "data_source": "math_dapo"} for i in range(3)]
     rows[0]["reward_model"]["ground_truth"] = "9" * 5000
     path = tmp_path / "dapo.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")

@@ -15,6 +15,7 @@ import math
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -147,7 +148,7 @@ def test_the_rollout_error_names_the_step_through_every_wrapper():
     from megatron_dapo.rollout.engine_group import EngineGroupError
     from megatron_dapo.train import rollout_logits_checked
 
-    run_state = SimpleNamespace(start_step=4, hf_dir="/models/base",
+    run_state: Any = SimpleNamespace(start_step=4, hf_dir="/models/base",
                                 actor=SimpleNamespace(last_update="update 20: lr 0.5, grad norm 3"))
 
     def raise_wrapped():

@@ -2,6 +2,7 @@
 real embedded engines against one engine, and with recording / failing engines for the contract."""
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.rollout.engine_group import EngineGroup, EngineGroupError, split_evenly, split_weighted
 from megatron_dapo.tiny import tiny_model
 
-SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+SMALL: dict[str, Any] = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12], [13, 14, 15]]
 
@@ -77,7 +78,9 @@ class Recording(RolloutEngine):
     """Returns fake samples that carry the prompt and seed it saw; can fail on generate or update."""
 
     def __init__(self, fail_generate: bool = False, fail_after: int | None = None) -> None:
-        self.calls, self.received, self.events = [], [], []
+        self.calls: list[Any] = []
+        self.received: list[str] = []
+        self.events: list[str] = []
         self.fail_generate, self.fail_after = fail_generate, fail_after
 
     def generate(self, prompt_token_ids, n, sampling):
@@ -93,10 +96,10 @@ class Recording(RolloutEngine):
                 raise KeyError(f"unknown weight {name!r}")
             self.received.append(name)
 
-    def sleep(self):
+    def sleep(self, tags=None):
         self.events.append("sleep")
 
-    def wake(self):
+    def wake(self, tags=None):
         self.events.append("wake")
 
     def abort(self):

@@ -4,6 +4,7 @@ plain-torch spec `algo.loss.policy_loss` on oracle logprobs, for every implement
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ def loss_inputs(device: str, seed: int = 0):
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 def test_fused_loss_equals_policy_loss_on_oracle_logprobs(impl, entropy_coef):
     logits, targets, old, adv, mask = loss_inputs(impl[1])
-    kw = {"eps_low": 0.2, "eps_high": 0.28, "global_num_tokens": 40}
+    kw: dict[str, Any] = {"eps_low": 0.2, "eps_high": 0.28, "global_num_tokens": 40}
     leaf = logits.clone().requires_grad_()
     loss, metrics = fused_policy_loss(
         leaf, targets, old, adv, mask, entropy_coef=entropy_coef, impl=impl[0], **kw
@@ -82,7 +83,8 @@ def test_fused_loss_micro_batches_sum_to_full_batch(impl, corrected, pieces):
 
 def test_fused_loss_rejects_what_policy_loss_rejects(impl):
     logits, targets, old, adv, mask = loss_inputs(impl[1])
-    for bad in ({"eps_low": 1.0, "eps_high": 0.28}, {"eps_low": 0.2, "eps_high": -0.1}):
+    bads: tuple[dict[str, Any], ...] = ({"eps_low": 1.0, "eps_high": 0.28}, {"eps_low": 0.2, "eps_high": -0.1})
+    for bad in bads:
         with pytest.raises(ValueError):
             policy_loss(old, old, adv, mask, **bad)
         with pytest.raises(ValueError):
@@ -213,7 +215,7 @@ def test_fused_linear_loss_equals_policy_loss(impl):
     gen = torch.Generator().manual_seed(6)
     hidden = torch.randn(4, 6, 16, generator=gen).to(impl[1]).requires_grad_()
     weight = torch.randn(300, 16, generator=gen).to(impl[1]).requires_grad_()
-    kw = {"eps_low": 0.2, "eps_high": 0.28, "global_num_tokens": 40}
+    kw: dict[str, Any] = {"eps_low": 0.2, "eps_high": 0.28, "global_num_tokens": 40}
     loss, metrics = fused_linear_policy_loss(
         hidden, weight, targets, old, adv, mask, entropy_coef=0.01, impl=impl[0], **kw
     )
@@ -231,7 +233,7 @@ def test_fused_linear_loss_equals_policy_loss(impl):
 
 
 # ---------------------------------------------------------------- the other policy-loss variants
-VARIANT_KW = {
+VARIANT_KW: dict[str, dict[str, Any]] = {
     "gspo": {"eps_low": 0.1, "eps_high": 0.05},  # its paper's 3e-4 / 4e-4 would clip every sequence here
     "cispo": {"eps_low": None, "eps_high": 1.3},
     "dr_grpo": {"eps_low": None, "eps_high": None, "max_response_len": 8},

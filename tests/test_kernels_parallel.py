@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from spawn import run_ranks
 UNEVEN = ((0, 250, 250), (250, 350, 350))  # per rank: (vocab_start, valid columns, partition width)
 PADDING_ONLY = ((0, 600, 640), (640, 0, 640))
 B, T, V = 3, 5, 600
-LOSS_KW = {"eps_low": 0.2, "eps_high": 0.28, "global_num_tokens": 11, "entropy_coef": 0.01}
+LOSS_KW: dict[str, Any] = {"eps_low": 0.2, "eps_high": 0.28, "global_num_tokens": 11, "entropy_coef": 0.01}
 
 
 def _inputs() -> dict[str, torch.Tensor]:

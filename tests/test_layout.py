@@ -30,7 +30,7 @@ def imports_of(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     here = module_name(path).split(".")
     is_pkg = path.name == "__init__.py"
-    found = set()
+    found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)

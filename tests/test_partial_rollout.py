@@ -9,6 +9,7 @@ runs it on the real server)."""
 import dataclasses
 import json
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from megatron_dapo.tiny import tiny_model
 from megatron_dapo.types import Prompt, Sample
 
 VOCAB = 128
-SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+SMALL: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22], [30], [40, 41, 42, 43]]
 STOPS = tuple(range(3, VOCAB, 11))
@@ -265,7 +266,8 @@ class ScriptedServer:
     vocab_size = 1000  # every scripted token id lies below it
 
     def __init__(self, cut: int | None):
-        self.cut, self.bodies = cut, []
+        self.cut = cut
+        self.bodies: list[dict] = []
 
     def dead_reason(self):
         return None
@@ -290,7 +292,7 @@ def test_sglang_stream_hands_back_aborted_responses_and_continues_them():
     from megatron_dapo.rollout.sglang.stream import SGLangStream
 
     req = GroupRequest(key=0, prompt_ids=[5, 6, 7], n=2, sampling=SamplingParams(max_new_tokens=10, seed=40))
-    first = SGLangStream(ScriptedServer(cut=4))
+    first = SGLangStream(ScriptedServer(cut=4))  # type: ignore[arg-type]  # a scripted stand-in
     first.submit([req])
     deadline = time.monotonic() + 60
     while not first._ready and time.monotonic() < deadline:  # the scripted call has come back aborted
@@ -301,7 +303,7 @@ def test_sglang_stream_hands_back_aborted_responses_and_continues_them():
     assert [s.response_ids for s in report.partial[0]] == [[103, 104, 105, 106]] * 2
     assert all(s.finish_reason == "abort" for s in report.partial[0])
     server = ScriptedServer(cut=None)
-    with SGLangStream(server) as stream:
+    with SGLangStream(server) as stream:  # type: ignore[arg-type]  # a scripted stand-in
         stream.submit([dataclasses.replace(req, resume=tuple(report.partial[0]))])
         result = stream.next()
     body = server.bodies[0]
@@ -324,7 +326,7 @@ def test_an_abort_that_meets_a_finished_request_reports_it_finished(sampling, re
     from megatron_dapo.rollout.sglang.stream import SGLangStream
 
     req = GroupRequest(key=0, prompt_ids=[5, 6, 7], n=2, sampling=sampling)
-    first = SGLangStream(ScriptedServer(cut=4))
+    first = SGLangStream(ScriptedServer(cut=4))  # type: ignore[arg-type]  # a scripted stand-in
     first.submit([req])
     deadline = time.monotonic() + 60
     while not first._ready and time.monotonic() < deadline:
@@ -334,7 +336,7 @@ def test_an_abort_that_meets_a_finished_request_reports_it_finished(sampling, re
     assert [s.finish_reason for s in report.partial[0]] == [reason] * 2
     assert [s.response_ids for s in report.partial[0]] == [[103, 104, 105, 106]] * 2
     server = ScriptedServer(cut=None)
-    with SGLangStream(server) as stream:
+    with SGLangStream(server) as stream:  # type: ignore[arg-type]  # a scripted stand-in
         stream.submit([dataclasses.replace(req, resume=tuple(report.partial[0]))])
         assert stream.next().samples == report.partial[0] and server.bodies == []
 
@@ -347,7 +349,7 @@ def test_sglang_resumes_only_the_unfinished_samples():
     req = GroupRequest(key=3, prompt_ids=[5], n=2, sampling=SamplingParams(max_new_tokens=4),
                        resume=(done, cut))
     server = ScriptedServer(cut=None)
-    with SGLangStream(server) as stream:
+    with SGLangStream(server) as stream:  # type: ignore[arg-type]  # a scripted stand-in
         stream.submit([req])
         result = stream.next()
     assert server.bodies[0]["input_ids"] == [[5, 7]] and len(server.bodies) == 1

@@ -96,7 +96,7 @@ def test_protocol_order_and_ledger(monkeypatch):
         return phases_mod.SyncStats()
 
     monkeypatch.setattr(phases_mod, "sync_weights", stream)
-    p = phases_mod.Phases(FakeActor(events), engine, colocate=True, offload_when_idle=True)
+    p = phases_mod.Phases(FakeActor(events), engine, colocate=True, offload_when_idle=True)  # type: ignore[arg-type]
 
     everything = "weights,main_grads,optimizer"
     p.generate()
@@ -143,9 +143,9 @@ def _ordered_rank(rank, world, port, out_dir):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    phases_mod.sync_weights = lambda module, spec, eng: phases_mod.SyncStats()
+    phases_mod.sync_weights = lambda module, spec, eng: phases_mod.SyncStats()  # type: ignore[assignment,misc]
     engine = SlowEngine(tiny_model("qwen2", seed=0)) if rank == 0 else None
-    p = phases_mod.Phases(FakeActor([]), engine, colocate=True, offload_when_idle=True)
+    p = phases_mod.Phases(FakeActor([]), engine, colocate=True, offload_when_idle=True)  # type: ignore[arg-type]
     p.generate()
     p.train()
     p.sync(1)

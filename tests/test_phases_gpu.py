@@ -4,44 +4,14 @@ took or gave back (the ledger counts tensors it owns; CUDA counts every allocati
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-SCRIPT = r"""
-import json, sys, torch
-from megatron_dapo import parallel
-from megatron_dapo.actor.actor import Actor
-from megatron_dapo.config import Config
-from megatron_dapo.loop.phases import Phases
-from megatron_dapo.rollout.embedded import EmbeddedEngine
-from megatron_dapo.types import TrainBatch
-
-hf_dir, out = sys.argv[1], sys.argv[2]
-cfg = Config()
-cfg.model.dtype, cfg.model.transformer_impl = "bfloat16", "local"
-parallel.initialize(cfg.parallel, seed=0)
-actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor)
-engine = EmbeddedEngine(hf_dir, device="cuda", dtype=torch.bfloat16)
-phases = Phases(actor, engine, colocate=True, offload_when_idle=True)
-ids = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(0))
-batch = TrainBatch(input_ids=ids, loss_mask=torch.ones(2, 64), lengths=torch.full((2,), 64),
-                   advantages=torch.tensor([1.0, -1.0]))
-phases.train()
-batch.old_logprobs = actor.compute_logprobs(batch)[0]
-actor.train_step(batch)  # the optimizer state exists from here on
-before = actor.compute_logprobs(batch)[0]
-res = {}
-for name in ("generate", "train", "sync"):
-    getattr(phases, name)()
-    torch.cuda.synchronize()
-    res[name] = {"allocated": torch.cuda.memory_allocated(), **phases.ledger}
-phases.train()
-res["logprobs_after_round_trip"] = (actor.compute_logprobs(batch)[0] - before).abs().max().item()
-json.dump(res, open(out, "w"))
-"""
+WORKER = Path(__file__).parent / "workers" / "phases_gpu_worker.py"
 
 
 def test_ledger_matches_cuda_memory(tmp_path, python_env):
@@ -50,7 +20,7 @@ def test_ledger_matches_cuda_memory(tmp_path, python_env):
     hf = save_tiny_model(tmp_path / "hf", "qwen2", seed=0, vocab_size=32000, hidden_size=256,
                          intermediate_size=768, num_hidden_layers=4, num_attention_heads=4)
     out = tmp_path / "res.json"
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(hf), str(out)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, str(WORKER), str(hf), str(out)], capture_output=True, text=True,
                        env=python_env, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     import json

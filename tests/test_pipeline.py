@@ -9,6 +9,7 @@ import json
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import TAGS, kill_job_at, run_train, train_cmd
@@ -21,13 +22,13 @@ from megatron_dapo.rollout.step.result import StepRollout, StreamRollout, Stream
 from megatron_dapo.rollout.step.versions import drop_stale, stamp, staleness_scalars
 from megatron_dapo.metrics import read_scalars
 from megatron_dapo.rollout.base import GroupRequest, SamplingParams
-from megatron_dapo.types import Group, Prompt, Sample
+from megatron_dapo.types import FinishReason, Group, Prompt, Sample
 
 REPO = Path(__file__).resolve().parents[1]
 ASYNC = ["rollout.colocate=false", "rollout.async_steps=1"]
 
 
-def sample(n: int, version: int | None = None, reason: str = "stop") -> Sample:
+def sample(n: int, version: int | None = None, reason: FinishReason = "stop") -> Sample:
     s = Sample(prompt_ids=[1, 2], response_ids=list(range(3, 3 + n)), rollout_logprobs=[-0.5 - i / 7 for i in range(n)],
                finish_reason=reason, response_text="Answer: 1", reward=1.0, acc=True, pred="1")
     if version is not None:
@@ -159,7 +160,8 @@ def test_the_pipeline_saves_the_batch_it_holds():
     other = RolloutPipeline(threads=1)
     other.load_state_dict(state)
     assert other.take(2).generated[0].samples[0].versions == [(0, 0)]
-    pipe.close(), other.close()
+    pipe.close()
+    other.close()
 
 
 def test_a_checkpoint_records_the_prompts_after_the_batches_still_in_production(monkeypatch):
@@ -185,7 +187,7 @@ def test_a_checkpoint_records_the_prompts_after_the_batches_still_in_production(
     pipe.start(4)
     saved = {}
     monkeypatch.setattr(state_mod, "save_checkpoint", lambda *a, trainer_state, **kw: saved.update(trainer_state))
-    run = SimpleNamespace(prompts=prompts, alarms=SimpleNamespace(state_dict=dict), samples_generated=0,
+    run: Any = SimpleNamespace(prompts=prompts, alarms=SimpleNamespace(state_dict=dict), samples_generated=0,
                           cfg=Config(), carry=PartialCarry(), pipeline=pipe, phases=SimpleNamespace(train=lambda: None),
                           actor=None, ckpt_root=None, hf_dir=None)
     threading.Timer(0.2, release.set).start()

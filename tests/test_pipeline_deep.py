@@ -117,7 +117,8 @@ def test_a_deeper_pipeline_saves_every_batch_it_has_started():
     other.load_state_dict(state, version=1)
     assert other.version == 1 and other.due_version(4) == 1
     assert [other.take(s).groups[0].prompt.uid for s in (2, 3)] == ["b2", "b3"]
-    pipe.close(), other.close()
+    pipe.close()
+    other.close()
 
 
 def test_sglang_takes_lagged_weights_only_in_a_one_rank_job():

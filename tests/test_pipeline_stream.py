@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -21,13 +22,13 @@ from megatron_dapo.rollout import EmbeddedEngine, SamplingParams
 from megatron_dapo.rollout.base import GroupRequest
 from megatron_dapo.rollout.process_engine import ProcessEngine
 from megatron_dapo.rollout.step.pipeline import RolloutPipeline, WeightSnapshot
-from megatron_dapo.rollout.step.result import StepRollout
+from megatron_dapo.rollout.step.result import StepRollout, StreamRollout
 from megatron_dapo.rollout.step.streaming import StreamPlan, stream_groups
 from megatron_dapo.rollout.step.versions import stamp
 from megatron_dapo.tiny import tiny_model
 from megatron_dapo.types import Prompt, Sample
 
-SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+SMALL: dict[str, Any] = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22], [30], [40, 41, 42, 43]]
 STOPS = tuple(range(3, 128, 11))
@@ -55,7 +56,7 @@ class Live:
         return None  # nobody else aborts the stream: it aborts itself at the next arrival
 
 
-def run_stream(engine, live, keep: int = len(PROMPTS)) -> list:
+def run_stream(engine, live, keep: int = len(PROMPTS)) -> StreamRollout:
     def request(g: int):
         return Prompt(str(g), (), "1"), GroupRequest(key=g, prompt_ids=PROMPTS[g], n=3, sampling=SamplingParams(
             max_new_tokens=24, stop_token_ids=STOPS, seed=100 + 1000 * g))
@@ -119,7 +120,7 @@ def check_versions(samples: list[Sample], models) -> int:
 @pytest.fixture(scope="module")
 def slower():
     """Models whose 400-token groups take ~0.7 s to decode here."""
-    size = {**SMALL, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4}
+    size: dict[str, Any] = {**SMALL, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4}
     return tiny_model("qwen2", seed=0, **size), tiny_model("qwen2", seed=1, **size)
 
 
@@ -134,7 +135,7 @@ def test_published_weights_stop_the_engine_at_its_next_decode_step(slower, kind,
     engine = EmbeddedEngine(tmp_path) if kind == "in_process" else ProcessEngine(tmp_path, threads=1)
     pipe = RolloutPipeline(threads=1, depth=1, stream=True)
     pipe.apply_weights = lambda snap: engine.update_weights(snap.tensors)
-    box = {}
+    box: dict[str, Any] = {}
 
     def request(g: int):
         return Prompt(str(g), (), "1"), GroupRequest(key=g, prompt_ids=PROMPTS[g], n=2, sampling=SamplingParams(
@@ -222,7 +223,8 @@ def test_the_pipeline_hands_the_newest_weights_over_mid_batch():
     batch = RolloutPipeline(threads=1, depth=2)
     batch.publish(1, WeightSnapshot(1))
     assert not batch.fresher()
-    pipe.close(), batch.close()
+    pipe.close()
+    batch.close()
 
 
 def test_stream_mode_needs_pipelining_and_the_group_stream():

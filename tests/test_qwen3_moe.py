@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from megatron_dapo.tiny import tiny_model
 WORKER = Path(__file__).parent / "workers" / "moe_worker.py"
 SYNC_WORKER = Path(__file__).parent / "workers" / "sync_worker.py"
 SMALL = {"vocab_size": VOCAB, "max_position_embeddings": 128, "eos_token_id": VOCAB - 1}
-MODELS = {  # name: (family, tied, overrides)
+MODELS: dict[str, tuple[str, bool, dict[str, Any]]] = {  # name: (family, tied, overrides)
     "qwen3": ("qwen3", False, {"head_dim": 24}),
     "qwen3_tied": ("qwen3", True, {"head_dim": 24}),
     "qwen3_moe": ("qwen3_moe", False, {"head_dim": 24}),

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import TAGS, logged_steps, one_line, run, signal_job, train_cmd, wait_for
@@ -188,7 +189,7 @@ def test_ctrl_c_exits_130_with_one_line_and_keeps_the_last_checkpoint(base_dir, 
 @pytest.fixture
 def tmpfs(tmp_path):
     """mount(size, ro) -> a fresh tmpfs folder (root only; the test says so when it cannot mount)."""
-    mounted = []
+    mounted: list[Any] = []
 
     def mount(size: str, read_only: bool = False) -> Path:
         where = tmp_path / f"mnt{len(mounted)}"

@@ -18,6 +18,7 @@ from megatron_dapo.reward import (
     overlong_filter_mask,
     soft_overlong_penalty,
 )
+from megatron_dapo.reward.math_dapo import AnswerFallback
 
 # ---------------------------------------------------------------- compute_score: positive cases
 POSITIVE = [
@@ -66,7 +67,7 @@ WRAPPED_42 = [
 
 @pytest.mark.parametrize(("response", "truth"), POSITIVE)
 @pytest.mark.parametrize("fallback", ["none", "boxed"])
-def test_correct_answers_score_plus_one(response: str, truth: str, fallback: str) -> None:
+def test_correct_answers_score_plus_one(response: str, truth: str, fallback: AnswerFallback) -> None:
     result = compute_score(response, truth, answer_fallback=fallback)
     assert result == RewardResult(score=1.0, acc=True, pred=result.pred)
     assert result.pred
@@ -155,7 +156,7 @@ NEGATIVE = [
 @pytest.mark.parametrize(("response", "truth", "pred"), NEGATIVE)
 @pytest.mark.parametrize("fallback", ["none", "boxed"])
 def test_wrong_or_missing_answers_score_minus_one(response: str, truth: str, pred: str | None,
-                                                  fallback: str) -> None:
+                                                  fallback: AnswerFallback) -> None:
     result = compute_score(response, truth, answer_fallback=fallback)
     assert result == RewardResult(score=-1.0, acc=False, pred=pred)
 
@@ -214,7 +215,7 @@ ADVERSARIAL = [
 
 @pytest.mark.parametrize("response", ADVERSARIAL, ids=range(len(ADVERSARIAL)))
 @pytest.mark.parametrize("fallback", ["none", "boxed"])
-def test_adversarial_inputs_finish_quickly(response: str, fallback: str) -> None:
+def test_adversarial_inputs_finish_quickly(response: str, fallback: AnswerFallback) -> None:
     start = time.perf_counter()
     result = compute_score(response, response, answer_fallback=fallback)
     elapsed = time.perf_counter() - start
@@ -260,13 +261,13 @@ def _check(result: RewardResult) -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(response=JUNK, truth=JUNK, fallback=FALLBACKS)
-def test_fuzz_never_raises(response: str, truth: str, fallback: str) -> None:
+def test_fuzz_never_raises(response: str, truth: str, fallback: AnswerFallback) -> None:
     _check(compute_score(response, truth, answer_fallback=fallback))
 
 
 @settings(max_examples=100, deadline=None)
 @given(junk=JUNK, n=st.integers(min_value=-(10**60), max_value=10**60), fallback=FALLBACKS)
-def test_fuzz_integer_answer_is_recognised(junk: str, n: int, fallback: str) -> None:
+def test_fuzz_integer_answer_is_recognised(junk: str, n: int, fallback: AnswerFallback) -> None:
     result = compute_score(f"{junk}\nAnswer: {n}", str(n), answer_fallback=fallback)
     assert result.acc and result.score == 1.0
     assert compute_score(f"Answer: {n}", str(n + 1), answer_fallback=fallback).score == -1.0

@@ -5,6 +5,7 @@ under a timeout, failures scored -1 and counted with the first one shown; the ma
 import logging
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -99,7 +100,7 @@ def test_a_slow_function_times_out(user_module):
     t0 = time.perf_counter()
     assert v("x", "1", sample("x")).score == -1.0
     assert time.perf_counter() - t0 < 2.0 and v.take_failures() == 1
-    box = {}
+    box: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: box.update(r=v("x", "1", sample("x"))))  # no SIGALRM off main
     t0 = time.perf_counter()
     worker.start()
@@ -112,8 +113,9 @@ def test_call_with_timeout_passes_results_and_errors():
     assert call_with_timeout(lambda: 7, (), 0) == 7  # 0 = no limit
     with pytest.raises(RewardTimeout):
         call_with_timeout(time.sleep, (3,), 0.1)
-    box = {}  # off the main thread the call runs in a helper thread: its error reaches the caller
-    t = threading.Thread(target=lambda: box.update(e=_catch(lambda: call_with_timeout(lambda: {}["k"], (), 1.0))))
+    box: dict[str, Any] = {}  # off the main thread the call runs in a helper thread: its error reaches the caller
+    missing: dict[str, int] = {}
+    t = threading.Thread(target=lambda: box.update(e=_catch(lambda: call_with_timeout(lambda: missing["k"], (), 1.0))))
     t.start()
     t.join()
     assert isinstance(box["e"], KeyError)

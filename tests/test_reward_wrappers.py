@@ -15,6 +15,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_dapo.reward import RewardResult, compute_score, math_dapo
+from megatron_dapo.reward.math_dapo import AnswerFallback
 from support import MATH, WRAPS
 
 # A wrapper counts only around the WHOLE answer: around a part it is read as written, so the digits outside
@@ -41,7 +42,7 @@ PARTLY_WRAPPED = [
 
 @pytest.mark.parametrize(("answer", "truth"), PARTLY_WRAPPED)
 @pytest.mark.parametrize("fallback", ["none", "boxed"])
-def test_a_wrapper_around_part_of_the_answer_is_read_as_written(answer: str, truth: str, fallback: str) -> None:
+def test_a_wrapper_around_part_of_the_answer_is_read_as_written(answer: str, truth: str, fallback: AnswerFallback) -> None:
     for response in (f"Answer: {answer}", f"**Answer:** {answer}.", f"Answer:\n {answer} \n"):
         result = compute_score(response, truth, answer_fallback=fallback)
         assert result.score == -1.0 and not result.acc, (response, result)

@@ -1,5 +1,7 @@
 """EmbeddedEngine against the transformers model it wraps: logprobs, finish reasons, weights, state."""
 
+from typing import Any
+
 import pytest
 import torch
 from support import abort_a_running_generate
@@ -10,7 +12,7 @@ from megatron_dapo.types import Sample
 
 VOCAB = 128
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22]]
-SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+SMALL: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
 
 

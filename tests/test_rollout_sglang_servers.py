@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import time
+from typing import Any
 
 import pytest
 from sglang_support import SGLANG_TIMEOUT, process_gone, max_logprob_diff, server_ports
@@ -47,7 +48,7 @@ def test_servers_take_consecutive_ports_and_stop_together(fake_exe, tmp_path, mo
                            device="cpu", log_dir=tmp_path / "logs", shutdown_grace_s=2)
     assert isinstance(group, EngineGroup)
     assert group.names == [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
-    pids = [e.pid for e in group.engines]
+    pids = [e.pid for e in group.engines]  # type: ignore[attr-defined]  # SGLang engines
     assert group.health()
     group.shutdown()
     assert all(process_gone(pid) for pid in pids)
@@ -84,8 +85,8 @@ def test_two_real_servers_split_prompts_and_both_take_weight_updates(sglang_pyth
                                                      startup_timeout_s=600, request_timeout_s=300),
                            python=sglang_python, dtype="float32", max_total_tokens=8192,
                            log_dir=tmp_path / "logs", bucket_mb=1)
-    print(f"\ntwo SGLang servers up in {time.monotonic() - t0:.1f} s: {group.names}")
-    pids = [e.pid for e in group.engines]
+    print(f"\ntwo SGLang servers up in {time.monotonic() - t0:.1f} s: {group.names}")  # type: ignore[attr-defined]  # an EngineGroup
+    pids = [e.pid for e in group.engines]  # type: ignore[attr-defined]  # SGLang engines
     try:
         greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
         groups = group.generate(PROMPTS, 2, greedy)
@@ -268,7 +269,7 @@ def _job_worker(rank, world, master_port, exe, root, base_port, block_node1):
         out["owned"] = [e.url for e in job.owned]
         out["weights"] = [job.weights.leader, [e.url for e in job.weights.servers], job.weights.transport]
         if eng is not None:
-            parts = eng.engines if isinstance(eng, EngineGroup) else [eng]
+            parts: list[Any] = eng.engines if isinstance(eng, EngineGroup) else [eng]
             out["engine"] = [(e.url, e.cfg.weight_sync, e.attached, e.trainer_host) for e in parts]
             out["healthy"] = eng.health()
         dist.barrier()

@@ -11,6 +11,7 @@ import stat
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sglang_support import server_ports
@@ -63,9 +64,9 @@ def _two_node_worker(rank, world, master_port, exe, root, base_port):
     def argv(e):
         return open(f"/proc/{e.pid}/cmdline").read().split("\0") if e.pid else None
 
-    out = {"owned": [(e.url, e.api_key, argv(e)) for e in job.owned]}
+    out: dict[str, list[tuple]] = {"owned": [(e.url, e.api_key, argv(e)) for e in job.owned]}
     if job.engine is not None:
-        parts = job.engine.engines if isinstance(job.engine, EngineGroup) else [job.engine]
+        parts: list[Any] = job.engine.engines if isinstance(job.engine, EngineGroup) else [job.engine]
         for e in parts:  # the driver reaches its own server and the other node's, with the key
             e.call("GET", "/model_info", timeout=10)
         out["driver"] = [(e.url, e.api_key, e.attached, argv(e)) for e in parts]

@@ -34,7 +34,7 @@ def test_chains_are_correct_bounded_and_deterministic():
     assert prompts == make_steps_prompts(500, seed=0, min_steps=2, max_steps=5, max_value=60, max_operand=7)
     assert prompts[:50] == make_steps_prompts(50, seed=0, min_steps=2, max_steps=5, max_value=60, max_operand=7)
     assert [p.messages for p in prompts] != [p.messages for p in make_steps_prompts(500, seed=1)]
-    lengths = Counter()
+    lengths: Counter = Counter()
     for i, p in enumerate(prompts):
         question = p.messages[0]["content"]
         value, running = left_to_right(question)

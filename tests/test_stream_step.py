@@ -182,11 +182,11 @@ def sample(length, reason):
 
 def test_the_aborted_started_samples_mean_length_is_a_monitor():
     every = source(informative=lambda g: True)
-    out = stream_groups(ScriptedEngine({2: [10, 0], 3: [6, 4]}), every, score, plan(target_groups=2))
+    out = stream_groups(ScriptedEngine({2: [10, 0], 3: [6, 4]}), every, score, plan(target_groups=2))  # type: ignore[arg-type]  # a scripted stand-in
     assert len(out.groups) == 2 and out.stream.aborted_groups == 2 and out.stream.wasted_tokens == 20
     assert out.stream.aborted_response_len == 20 / 3  # 10, 6 and 4: the sample not started is left out
     assert out.cost()["rollout/aborted_response_len"] == 20 / 3
-    blind = stream_groups(ScriptedEngine(), every, score, plan(target_groups=2))  # no samples reported
+    blind = stream_groups(ScriptedEngine(), every, score, plan(target_groups=2))  # type: ignore[arg-type]  # no samples reported
     assert math.isnan(blind.stream.aborted_response_len)
     assert "rollout/aborted_response_len" not in blind.cost()
 

@@ -4,6 +4,7 @@ a teacher-forced transformers forward, their independence from what else runs, s
 import math
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from megatron_dapo.rollout.sampling import counter_uniforms
 from megatron_dapo.tiny import tiny_model
 
 VOCAB = 128
-SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+SMALL: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22], [30], [40, 41, 42, 43]]
 STOPS = tuple(range(3, VOCAB, 11))  # many stop tokens: rows end at scattered steps
@@ -104,7 +105,7 @@ def test_stream_samples_are_exact(model, fast, temperature, top_p):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2_moe"])
 def test_other_families_stream_exactly(family):
-    kw = dict(SMALL, head_dim=8) if family == "qwen3" else SMALL
+    kw: dict[str, Any] = dict(SMALL, head_dim=8) if family == "qwen3" else SMALL
     model = tiny_model(family, seed=0, **kw)
     out = run(EmbeddedEngine(model, max_batch_tokens=6 * 40), requests(PROMPTS[:3], temperature=0.8))
     for s in (s for g in out.values() for s in g):
@@ -278,7 +279,7 @@ def test_engine_group_streams_by_load_and_keeps_each_group(model):
     with EngineGroup(engines, names=["a", "b"]) as group:
         with group.stream() as stream:
             stream.submit(reqs)
-            owners = dict(stream._owner)
+            owners = dict(stream._owner)  # type: ignore[attr-defined]  # an EngineGroup's stream
             many = drain(stream)
             assert stream.pending == 0
     assert_same(one, many)

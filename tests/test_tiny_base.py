@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -155,7 +156,7 @@ def test_batches_draw_styles_by_weight(char_tokenizer):
     tok = char_tokenizer
     prompts = make_arithmetic_prompts(40, seed=1)
     examples = wd.make_examples(tok, prompts)
-    by_target = {tuple(t): key for ex in examples for key, t in ex.targets.items()}
+    by_target: dict[tuple[int, ...], Any] = {tuple(t): key for ex in examples for key, t in ex.targets.items()}
     data = wd.batches(examples, 20, tok.pad_token_id, random.Random(0))
     counts: Counter = Counter()
     for _ in range(200):  # 4000 draws, 100 epochs of the 40 examples

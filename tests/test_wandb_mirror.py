@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,7 +55,7 @@ def read_offline_run(logdir: Path) -> dict:
         if kind in (1, 4):  # FULL or LAST
             records.append(chunk)
             chunk = b""
-    out = {"history": [], "config": {}, "tables": {}}
+    out: dict[str, Any] = {"history": [], "config": {}, "tables": {}}
     for raw in records:
         r = pb.Record()
         r.ParseFromString(raw)

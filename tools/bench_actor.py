@@ -21,7 +21,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from megatron_dapo.actor.actor import Actor
 
 MEMORY_IMPLS = ("naive", "logits", "linear")
 
@@ -62,9 +65,10 @@ def make_model(args: argparse.Namespace, path: Path) -> None:
                     num_key_value_heads=heads // 2, max_position_embeddings=max(args.seq, args.tokens))
 
 
-def naive_actor_class():
+def naive_actor_class() -> type[Actor]:
     """The actor with the loss path before issue 13: fp32 upcast of the logits, temperature as a full
-    copy, materialised log_softmax (the kernels' plain-torch oracle)."""
+    copy, materialised log_softmax (the kernels' plain-torch oracle). It overrides the logits ->
+    statistics step only (loss_impl=logits), so the actor's shifting and row mapping stay its own."""
     import torch
 
     from megatron_dapo import parallel
@@ -72,14 +76,14 @@ def naive_actor_class():
     from megatron_dapo.kernels.reference import reference_logprobs_and_entropy
 
     class NaiveActor(Actor):
-        def _token_stats(self, logits, input_ids, entropy=True):
-            start = parallel.tp_rank() * logits.shape[-1]
-            valid = max(0, min(logits.shape[-1], self.spec.vocab_size - start))
-            z = logits.float()[:, :-1, :valid]
-            lp, ent = reference_logprobs_and_entropy(z / self.temperature if self.temperature != 1.0 else z,
-                                                     input_ids[:, 1:])
-            pad = lp.new_zeros(lp.shape[0], 1)
-            return torch.cat([pad, lp], 1), torch.cat([pad, ent], 1)
+        def _next_token_stats(self, out: torch.Tensor, targets: torch.Tensor, entropy: bool,
+                              temperature: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            start = parallel.tp_rank() * out.shape[-1]
+            valid = max(0, min(out.shape[-1], self.spec.vocab_size - start))
+            z = out.float()[..., :valid]
+            t = self.temperature if temperature is None else temperature
+            lp, ent = reference_logprobs_and_entropy(z / t if t != 1.0 else z, targets)
+            return lp, ent if entropy else None
 
     return NaiveActor
 

@@ -30,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -160,8 +161,9 @@ MODES: dict[str, Callable] = {"rounds": rounds, "streaming": lambda *a, carry: s
 def compare(engine_name: str, engine: RolloutEngine, weights: list, args: argparse.Namespace) -> list[dict]:
     algo = AlgoConfig(group_size=args.group_size, gen_batch_multiplier=args.gen_batch_multiplier)
     carries = {m: PartialCarry() for m in MODES}
-    totals = {m: {"kept": 0, "wall": 0.0, "tokens": 0, "wasted": 0, "passes": 0, "prefill": 0, "lens": [],
-                  "cut": []} for m in MODES}
+    totals: dict[str, dict[str, Any]] = {
+        m: {"kept": 0, "wall": 0.0, "tokens": 0, "wasted": 0, "passes": 0, "prefill": 0, "lens": [], "cut": []}
+        for m in MODES}
     counter = ForwardCounter(engine)
     for step in range(args.steps):
         for mode in list(MODES)[:: 1 if step % 2 == 0 else -1]:

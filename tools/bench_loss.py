@@ -29,6 +29,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 from megatron_dapo.benchmark import PeakMemory, available_bytes, limit_address_space, load_text
 from megatron_dapo.benchmark import run_case as run_fresh
@@ -60,7 +61,7 @@ def _make_step(impl: str, tokens: int, vocab: int, dtype, device: str, hidden: i
     old = -torch.rand(1, tokens, device=device, generator=gen) * 5
     adv = torch.tensor([1.0], device=device)
     mask = torch.ones(1, tokens, device=device)
-    kw = {"eps_low": 0.2, "eps_high": 0.28}
+    kw: dict[str, Any] = {"eps_low": 0.2, "eps_high": 0.28}
     if impl in ("naive_linear", "fused_linear", "liger"):
         return _linear_step(impl, targets, old, mask, vocab, dtype, device, hidden, gen), 0
     logits = (torch.randn(1, tokens, vocab, device=device, generator=gen) * 3).to(dtype).requires_grad_()
@@ -94,7 +95,7 @@ def _linear_step(impl: str, targets, old, mask, vocab: int, dtype, device: str, 
     w = (torch.randn(vocab, hidden, device=device, generator=gen) * 3).to(dtype).requires_grad_()
     targets, old, mask = (t.view(-1, seq) for t in (targets, old, mask))
     adv = torch.ones(tokens // seq, device=device)
-    kw = {"eps_low": 0.2, "eps_high": 0.28}
+    kw: dict[str, Any] = {"eps_low": 0.2, "eps_high": 0.28}
     if impl == "liger":
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 

@@ -66,7 +66,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 def newest_verified(root: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     """Collective: the newest checkpoint under `root` that verifies against its manifest, and the newer
     ones skipped with the reason each failed."""
-    skipped = []
+    skipped: list[tuple[Path, str]] = []
     for path in reversed(checkpoints(root)):
         problem = files.verify(path)
         if problem is None:

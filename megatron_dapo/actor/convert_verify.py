@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -22,7 +23,7 @@ def build_stage(spec: ModelSpec, dtype: str, tp: int, pp: int) -> torch.nn.Modul
     from megatron_dapo.actor.model import build_model
     from megatron_dapo.config import ModelConfig, ParallelConfig
 
-    return build_model(spec, ModelConfig(dtype=dtype, transformer_impl="local"),
+    return build_model(spec, ModelConfig(dtype=cast(Any, dtype), transformer_impl="local"),
                        ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), init_weights=False)
 
 

@@ -192,7 +192,9 @@ def save_hf_checkpoint(module: torch.nn.Module, spec: ModelSpec, out_dir: str | 
     main = parallel.global_rank() == 0 if dist.is_initialized() else True
     if main:
         out.mkdir(parents=True, exist_ok=True)
-    buf, size, files, weight_map = {}, 0, [], {}
+    buf: dict[str, torch.Tensor] = {}
+    files: list[str] = []
+    size, weight_map = 0, {}
 
     def flush() -> None:
         nonlocal buf, size

@@ -149,7 +149,8 @@ def full_shape(rule: TensorRule, spec: ModelSpec) -> tuple[int, ...]:
 def hf_to_megatron(tensors: list[torch.Tensor], rule: TensorRule, spec: ModelSpec) -> torch.Tensor:
     """HF tensors of one rule -> the full Megatron tensor (vocab NOT padded yet)."""
     if rule.kind in ("qkv", "qkv_bias"):
-        return _merge_qkv(*tensors, spec)
+        q, k, v = tensors
+        return _merge_qkv(q, k, v, spec)
     if rule.kind == "fc1":
         return torch.cat(tensors, dim=0)
     (t,) = tensors

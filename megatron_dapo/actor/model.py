@@ -230,7 +230,7 @@ def transformer_config(spec: ModelSpec, model_cfg: ModelConfig, par: ParallelCon
     from megatron.core.transformer import TransformerConfig
 
     dtype = param_dtype(model_cfg)
-    recompute = {"none": {}, "selective": {"recompute_granularity": "selective"},
+    recompute: dict[str, dict[str, Any]] = {"none": {}, "selective": {"recompute_granularity": "selective"},
                  "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,

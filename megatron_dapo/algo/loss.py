@@ -21,7 +21,7 @@ Options beyond the paper's eq. 10 (both off by default):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import get_args
+from typing import TypeAlias, get_args
 
 import torch
 
@@ -37,7 +37,7 @@ from megatron_dapo.config.schema import LossAggMode as AggMode
 
 AGG_MODES: tuple[str, ...] = get_args(AggMode)
 
-Count = int | float | torch.Tensor
+Count: TypeAlias = int | float | torch.Tensor
 
 __all__ = ["AGG_MODES", "LOG_RATIO_LIMIT", "AggMode", "Count", "PolicyLossMetrics", "aggregate",
            "policy_loss", "validate_inputs"]

@@ -23,7 +23,7 @@ class Interval(typing.NamedTuple):
     low_open: bool
     high_open: bool
 
-    def __contains__(self, v: float) -> bool:  # NaN compares False: never inside
+    def __contains__(self, v: float) -> bool:  # type: ignore[override]  # NaN compares False: never inside
         above = v > self.low if self.low_open else v >= self.low
         below = v < self.high if self.high_open else v <= self.high
         return above and below

@@ -18,7 +18,8 @@ SUPPORTED_OPS = ("+", "-", "*")
 ANSWER_PREFIX = "Answer: "
 """The response format the DAPO reward parser reads (the last "Answer:" line)."""
 
-_SPEC_DEFAULTS = {"n": 1000, "seed": 0, "min_digits": 1, "max_digits": 2, "ops": "+-*", "style": "plain"}
+_SPEC_DEFAULTS: dict[str, int | str] = {"n": 1000, "seed": 0, "min_digits": 1, "max_digits": 2, "ops": "+-*",
+                                        "style": "plain"}
 STYLES = ("plain", "instruct")
 ARITHMETIC_INSTRUCTION = ('Compute {expression}. End your response with a line of the form "Answer: N", '
                           "where N is the integer result.")

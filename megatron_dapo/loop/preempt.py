@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,7 @@ class StopSignals:
         self.starting = True
         """Until `started()`: the first signal raises StartInterrupted, later ones are only recorded."""
         self._first_at = 0.0
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}
 
     def install(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():

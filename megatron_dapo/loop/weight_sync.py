@@ -25,6 +25,7 @@ from megatron_dapo.actor.model import ModelSpec
 from megatron_dapo.loop.weight_probe import WeightSyncError
 from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.rollout.sglang.updates import NodeWeightSync
+from megatron_dapo.rollout.step.pipeline import WeightSnapshot
 
 
 @dataclass
@@ -44,10 +45,12 @@ class SyncStats:
                 "perf/weight_sync_bytes_cross_node": float(self.bytes_cross_node)}
 
 
-def sync_weights(module: torch.nn.Module, spec: ModelSpec, target: NodeWeightSync | RolloutEngine | None,
+def sync_weights(module: torch.nn.Module, spec: ModelSpec,
+                 target: NodeWeightSync | RolloutEngine | WeightSnapshot | None,
                  dtype: torch.dtype | None = None) -> SyncStats:
     """Collective over all ranks. `target`: this rank's NodeWeightSync (SGLang, every rank), or the engine on
-    the rank that holds it (None elsewhere). `dtype`: default the model's own."""
+    the rank that holds it, or the WeightSnapshot that keeps the weights for it (None elsewhere). `dtype`:
+    default the model's own."""
     initialized = dist.is_available() and dist.is_initialized()
     nodes = _nodes_of_ranks() if initialized else [0]
     me = dist.get_rank() if initialized else 0

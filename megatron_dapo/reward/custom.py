@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_dapo.config.schema import REWARD_FUNCTION
-from megatron_dapo.reward.math_dapo import RewardResult, compute_score
+from megatron_dapo.reward.math_dapo import AnswerFallback, RewardResult, compute_score
 from megatron_dapo.reward.math_verify_reward import load_math_verify, math_verify_score
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def is_reward_spec(name: str) -> bool:
     return name in (BUILTIN, MATH_VERIFY) or bool(REWARD_FUNCTION.fullmatch(name))
 
 
-def load_reward_fn(name: str, *, answer_fallback: str = "none") -> RewardFn:
+def load_reward_fn(name: str, *, answer_fallback: AnswerFallback = "none") -> RewardFn:
     """The callable `name` stands for; math_dapo is DAPO eq. 7 with the configured answer fallback,
     math_verify the same answer line judged also by math-verify (math_verify_reward.py)."""
     if name == BUILTIN:
@@ -69,7 +69,8 @@ def load_reward_fn(name: str, *, answer_fallback: str = "none") -> RewardFn:
     return fn
 
 
-def _math_dapo(response: str, ground_truth: str, sample: Any, *, answer_fallback: str) -> RewardResult:
+def _math_dapo(response: str, ground_truth: str, sample: Any, *,
+               answer_fallback: AnswerFallback) -> RewardResult:
     return compute_score(response, ground_truth, answer_fallback=answer_fallback)
 
 
@@ -113,7 +114,7 @@ def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout_s: float) -> 
 class Verifier:
     """`reward.name`'s function, loaded once; failures score -1 and are counted (`take_failures`)."""
 
-    def __init__(self, name: str, *, timeout_s: float, answer_fallback: str = "none") -> None:
+    def __init__(self, name: str, *, timeout_s: float, answer_fallback: AnswerFallback = "none") -> None:
         self.name = name
         self.fn = load_reward_fn(name, answer_fallback=answer_fallback)
         # math_dapo is bounded by construction (see math_dapo.py) and never raises: no timer needed.

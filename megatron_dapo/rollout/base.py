@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -113,7 +113,8 @@ class GroupRequest:
     """n samples of one prompt for a stream; `key` (the caller's group index) names it in results, aborts."""
 
     key: int
-    prompt_ids: tuple[int, ...]
+    prompt_ids: Sequence[int]
+    """Any sequence of ints; kept as a tuple."""
     n: int
     sampling: SamplingParams
     """Per group: with a seed, sample k of the group draws from a random stream keyed by (seed + k)."""
@@ -216,7 +217,7 @@ class RolloutStream(ABC):
         if self.pending:
             self.abort()
 
-    def __enter__(self) -> RolloutStream:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -281,7 +282,7 @@ class RolloutEngine(ABC):
     def shutdown(self) -> None:
         """Free everything; idempotent. The engine is unusable afterwards."""
 
-    def __enter__(self) -> RolloutEngine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

@@ -40,7 +40,7 @@ from megatron_dapo.rollout.base import (
 )
 from megatron_dapo.rollout.sampling import counter_uniforms, sample_next
 from megatron_dapo.rollout.slots import RowDecoder
-from megatron_dapo.types import Sample
+from megatron_dapo.types import FinishReason, Sample
 
 
 @dataclass
@@ -171,7 +171,7 @@ class EmbeddedStream(RolloutStream):
                     samples[k] = request.initial(k)
         return out
 
-    def _sample(self, row: _Row, reason: str) -> Sample:
+    def _sample(self, row: _Row, reason: FinishReason) -> Sample:
         prompt = self._groups[row.key].request.prompt_ids
         return Sample(prompt_ids=list(prompt), response_ids=list(row.tokens),
                       rollout_logprobs=list(row.logprobs), finish_reason=reason)
@@ -251,7 +251,7 @@ class EmbeddedStream(RolloutStream):
         rank = {key: i for i, key in enumerate(counts)}
         fresh.sort(key=lambda row: (rank[row[0]], row[1]))
         prompts = [groups[key].request.prompt_ids for key in counts] + [
-            groups[key].request.prompt_ids + tuple(p.response_ids) for key, _, p in resumed]
+            (*groups[key].request.prompt_ids, *p.response_ids) for key, _, p in resumed]
         logits = self._decoder.admit(prompts, list(counts.values()) + [1] * len(resumed))
         self._logits = logits if self._logits is None else torch.cat([self._logits, logits])
         self._rows += [_Row(key, index) for key, index in fresh] + [

@@ -43,7 +43,7 @@ from megatron_dapo.rollout.checkpoint_names import checkpoint_views
 from megatron_dapo.rollout.continuous import EmbeddedStream
 from megatron_dapo.rollout.decoders import Decoder, HFDecoder, LlamaDecoder, llama_fast_path_ok
 from megatron_dapo.rollout.sampling import sample_next
-from megatron_dapo.rollout.slots import SlotDecoder, WaveDecoder
+from megatron_dapo.rollout.slots import RowDecoder, SlotDecoder, WaveDecoder
 from megatron_dapo.types import Sample
 
 _COMPACT_BELOW = 0.75
@@ -130,7 +130,7 @@ class EmbeddedEngine(RolloutEngine):
         self._released: set[str] = set()  # memory tags released by sleep()
         self._offload = HostOffload()  # the weights while released
         self.weights_backup = weights_backup
-        self._spare: SlotDecoder | WaveDecoder | None = None  # a closed stream's decoder (its KV memory)
+        self._spare: RowDecoder | None = None  # a closed stream's decoder (its KV memory)
 
     # ---------------------------------------------------------------------------------- generate
 
@@ -217,7 +217,7 @@ class EmbeddedEngine(RolloutEngine):
                               device=self.device, engine_lock=self._busy, ready=self._check_ready,
                               check_prompts=self._check_vocab, on_close=self._keep_decoder)
 
-    def _keep_decoder(self, decoder: SlotDecoder | WaveDecoder) -> None:
+    def _keep_decoder(self, decoder: RowDecoder) -> None:
         if not self._closed and "kv_cache" not in self._released:
             self._spare = decoder
 
@@ -245,21 +245,21 @@ class EmbeddedEngine(RolloutEngine):
         the device's cache allocator is emptied; "kv_cache": nothing is held between calls to release."""
         with self._busy:
             self._check_open()
-            tags = set(check_tags(tags)) - self._released
+            release = set(check_tags(tags)) - self._released
             self._spare = None  # a kept stream decoder's KV cache
-            if "weights" in tags:
+            if "weights" in release:
                 self._offload.offload({"weights": self._own}, lose=() if self.weights_backup else ("weights",))
                 if self.device.type != "cpu":
                     getattr(torch, self.device.type).empty_cache()
-            self._released |= tags
+            self._released |= release
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
         with self._busy:
             self._check_open()
-            tags = set(check_tags(tags)) & self._released
-            if "weights" in tags:
+            resume = set(check_tags(tags)) & self._released
+            if "weights" in resume:
                 self._offload.reload()
-            self._released -= tags
+            self._released -= resume
 
     def score(self, token_ids: Sequence[int], start: int) -> list[list[float]]:
         if not 1 <= start < len(token_ids):

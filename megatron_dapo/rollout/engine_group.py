@@ -121,7 +121,7 @@ class EngineGroup(RolloutEngine):
         return GroupStream(streams, self.names, self.weights)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        queues = [queue.Queue(maxsize=_QUEUE_DEPTH) for _ in self.engines]
+        queues: list[queue.Queue] = [queue.Queue(maxsize=_QUEUE_DEPTH) for _ in self.engines]
         stop = threading.Event()
 
         def drain(q: queue.Queue) -> Iterator[tuple[str, torch.Tensor]]:
@@ -149,7 +149,8 @@ class EngineGroup(RolloutEngine):
 
     def _results(self, futures: list, what: str) -> list[Any]:
         """The futures' results in engine order, once all are done; the first failure is raised, naming it."""
-        results, failure = [], None
+        results: list[Any] = []
+        failure: tuple[str, BaseException] | None = None
         for name, fut in zip(self.names, futures):
             try:
                 results.append(fut.result())
@@ -157,8 +158,8 @@ class EngineGroup(RolloutEngine):
                 failure = failure or (name, e)
                 results.append(None)
         if failure is not None:
-            name, e = failure
-            raise EngineGroupError(f"{what} failed on rollout engine {name}: {e}") from e
+            name, error = failure
+            raise EngineGroupError(f"{what} failed on rollout engine {name}: {error}") from error
         return results
 
     def sleep(self, tags: Sequence[str] | None = None) -> None:

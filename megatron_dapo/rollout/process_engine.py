@@ -263,7 +263,7 @@ class ProcessStream(RolloutStream):
             value, pending = self._engine._call(op, self._sid, *args, timeout=timeout)
         except Exception as e:  # an abort from another thread sets the count itself
             if getattr(e, "pending", None) is not None and not isinstance(e, GenerationAborted):
-                self._pending = e.pending
+                self._pending = getattr(e, "pending")
             raise
         self._pending = pending
         return value

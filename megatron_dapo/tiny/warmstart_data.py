@@ -64,7 +64,7 @@ def make_examples(tokenizer: Any, prompts: Sequence[Prompt]) -> list[Example]:
     eos = tokenizer.eos_token_id
     for prompt in prompts:
         variants = [(s, 1) for s in STYLE_WEIGHTS if s != "ramble"] + [("ramble", k) for k in RAMBLE_ECHOES]
-        targets = {
+        targets: dict[Hashable, list[int]] = {
             (s, k): tokenizer.encode(style_response(prompt, s, k), add_special_tokens=False) + [eos]
             for s, k in variants
         }

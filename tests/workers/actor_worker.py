@@ -53,7 +53,7 @@ def old_logprob_offset(batch: TrainBatch) -> torch.Tensor:
 def make_cfg(tp: int, pp: int) -> Config:
     cfg = Config()
     cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel = tp, pp
-    cfg.model.dtype = os.environ.get("DAPO_TEST_DTYPE", "float32")
+    cfg.model.dtype = os.environ.get("DAPO_TEST_DTYPE", "float32")  # type: ignore[assignment]
     cfg.actor.optimizer.lr, cfg.actor.optimizer.warmup_steps, cfg.actor.optimizer.adam_eps = LR, 0, ADAM_EPS
     cfg.actor.optimizer.grad_clip, cfg.actor.optimizer.weight_decay = GRAD_CLIP, 0.0
     cfg.actor.micro_batch_tokens = 48  # several micro-batches per mini-batch

@@ -18,5 +18,5 @@ def scaled_stream(module, spec, dtype, **kw):
 
 
 if __name__ == "__main__":
-    weight_sync.hf_weight_stream = scaled_stream
+    weight_sync.hf_weight_stream = scaled_stream  # type: ignore[assignment]
     sys.exit(train.main(sys.argv[1:]))

@@ -28,7 +28,7 @@ def main() -> None:
     quiet_third_party()
     cfg = Config()
     cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel = tp, pp
-    cfg.model.dtype = os.environ.get("DAPO_TEST_DTYPE", "float32")
+    cfg.model.dtype = os.environ.get("DAPO_TEST_DTYPE", "float32")  # type: ignore[assignment]
     parallel.initialize(cfg.parallel, seed=3)
     spec = spec_from_hf(load_hf_config(ckpt / HF_SUBDIR))
     actor = Actor(spec, cfg.model, cfg.parallel, cfg.actor)  # random init, then overwritten

@@ -47,7 +47,7 @@ def run_case(hf_dir: str, tp: int, vocab: int, impl: str, temperature: float, lo
     cfg = load_config(None, loss or [])
     cfg.parallel.tensor_parallel = tp
     cfg.model.dtype = "float32"
-    cfg.actor.loss_impl = impl
+    cfg.actor.loss_impl = impl  # type: ignore[assignment]
     cfg.actor.optimizer.lr, cfg.actor.optimizer.warmup_steps = 1e-2, 0
     cfg.actor.optimizer.grad_clip, cfg.actor.optimizer.weight_decay = 0.0, 0.0
     cfg.actor.micro_batch_tokens = 40  # several micro-batches

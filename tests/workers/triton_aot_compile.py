@@ -10,6 +10,7 @@ runs the kernels in the CPU interpreter) cannot compile them for real; this proc
 import os
 import sys
 import traceback
+from typing import Any
 
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
@@ -33,7 +34,7 @@ def aot_signature(kernel, logits_type: str) -> dict[str, str]:
     return {p.name: "constexpr" if p.is_constexpr else arg_type(p.name) for p in kernel.params}
 
 
-def variants() -> list[tuple[object, dict]]:
+def variants() -> list[tuple[Any, dict]]:
     out = [(lt._stats_kernel, {"BLOCK_V": 4096, "ENTROPY": e}) for e in (True, False)]
     flags = [(a, b) for a in (True, False) for b in (True, False)]
     out += [(lt._grad_kernel, {"BLOCK_V": 4096, "HAS_LP": a, "HAS_ENT": b}) for a, b in flags]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats
@@ -138,5 +139,5 @@ def load_rollout(d: dict) -> StepRollout:
     return StepRollout(**common)
 
 
-def _mean(values: list[float]) -> float:
+def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats, is_informative
 from megatron_dapo.config import AlgoConfig
@@ -90,7 +90,7 @@ class StreamPlan:
     def from_config(cls, algo: AlgoConfig, target_groups: int, max_inflight_groups: int = 0,
                     partial: bool = False, max_carry_steps: int = 0) -> StreamPlan:
         first = math.ceil(target_groups * algo.gen_batch_multiplier)
-        carry = {"partial": partial, "max_carry_steps": max_carry_steps}
+        carry: dict[str, Any] = {"partial": partial, "max_carry_steps": max_carry_steps}
         if not algo.dynamic_sampling:
             return cls(target_groups=target_groups, first=target_groups, max_inflight=target_groups,
                        max_groups=target_groups, dynamic_sampling=False, **carry)
