@@ -100,8 +100,9 @@ dapo_train_cmd() {
 dapo_srun_cmd() {  # nodes tasks_per_node
   DAPO_SRUN=(srun --kill-on-bad-exit=1 --label --nodes="$1" --ntasks-per-node="$2" --ntasks="$(($1 * $2))"
              --cpus-per-task="$CPUS_PER_TASK")
-  # every task sees all GPUs of its node (the trainer picks LOCAL_RANK; rank 0's SGLang servers use several)
-  if [ "${GPUS_PER_NODE:-0}" -gt 0 ]; then DAPO_SRUN+=(--gpus-per-node="$GPUS_PER_NODE"); fi
+  # every task sees all GPUs of its node (the trainer picks LOCAL_RANK; a node leader's SGLang servers use
+  # several): --gpu-bind=none overrides a site's default of one GPU per task (SLURM_GPU_BIND, cli_filter)
+  if [ "${GPUS_PER_NODE:-0}" -gt 0 ]; then DAPO_SRUN+=(--gpus-per-node="$GPUS_PER_NODE" --gpu-bind=none); fi
   DAPO_SRUN+=("${SRUN_EXTRA[@]}")
 }
 

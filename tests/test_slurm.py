@@ -61,7 +61,8 @@ def test_32b_dry_run_prints_commands_and_plans(tmp_path):
                  "--job-name=dapo-qwen2.5-32b", "--time=48:00:00", "examples/run_dapo_32b.sh"):
         assert flag in sbatch, (flag, sbatch)
     srun = next(ln for ln in out.splitlines() if "megatron_dapo.train --config" in ln and "srun" in ln)
-    for part in ("--kill-on-bad-exit=1", "--ntasks=128", "--gpus-per-node=8", "parallel.tensor_parallel=8",
+    for part in ("--kill-on-bad-exit=1", "--ntasks=128", "--gpus-per-node=8", "--gpu-bind=none",
+                 "parallel.tensor_parallel=8",
                  "rollout.engine=sglang", "rollout.sglang.tensor_parallel=4", "checkpoint.resume=auto",
                  "train.mini_batch_size=32", "model.load=checkpoints/Qwen2.5-32B-megatron",
                  "algo.eps_high=0.28"):
