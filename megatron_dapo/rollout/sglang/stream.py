@@ -51,7 +51,8 @@ from megatron_dapo.types import Sample
 
 _STREAMS = itertools.count()
 _ABORT_WAIT_S = 120.0
-"""How long abort() waits for the aborted calls to return (a live server answers within a step)."""
+"""How long abort() waits for the aborted calls to return (a live server answers within a step). Calls still
+running after it keep the server busy: the engine's sleep() waits for its idle report (SGLangEngine.wait_idle)."""
 _ABORT_THREADS = 8
 
 
