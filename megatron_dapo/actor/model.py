@@ -265,6 +265,8 @@ def transformer_config(spec: ModelSpec, model_cfg: ModelConfig, par: ParallelCon
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
         # our loss is normalised by the global token count: Megatron must not rescale it
         calculate_per_token_loss=True,
+        # train.deterministic (loop/determinism.py) switches torch's; Megatron's and TE's kernels follow
+        deterministic_mode=torch.are_deterministic_algorithms_enabled(),
         **_moe_fields(spec.moe), **_init_methods(init_weights), **recompute[model_cfg.recompute])
 
 
