@@ -95,7 +95,7 @@ def initialize(cfg: ParallelConfig, *, seed: int, timeout_s: float | None = None
         if single_node(env):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets stay local as well
             store = loopback_store(env, timedelta(seconds=timeout_s))
-        else:  # every host-side collective is gloo's: not on the host name's address (often 127.0.1.1)
+        elif several_hosts(env):  # every host-side collective is gloo's: not on the host name's address (127.0.1.1)
             _set_gloo_interface(env)
         dist.init_process_group(backend_for(cfg), rank=env.rank, world_size=env.world_size, store=store,
                                 timeout=timedelta(seconds=timeout_s))
@@ -112,6 +112,18 @@ def initialize(cfg: ParallelConfig, *, seed: int, timeout_s: float | None = None
                                      expert_model_parallel_size=ep)
     seed_all(seed)
     return env
+
+
+def several_hosts(env: LaunchEnv, environ: dict[str, str] | None = None) -> bool:
+    """Whether the job may span hosts: Slurm's node count, else torchrun's local world against the world, else
+    whether the master is off this machine."""
+    e = os.environ if environ is None else environ
+    nodes = e.get("SLURM_JOB_NUM_NODES") or e.get("SLURM_NNODES")
+    if nodes:
+        return nodes != "1"
+    if e.get("LOCAL_WORLD_SIZE", "").isdigit():
+        return int(e["LOCAL_WORLD_SIZE"]) < env.world_size
+    return not network.is_loopback(env.master_addr)
 
 
 def _set_gloo_interface(env: LaunchEnv) -> None:

@@ -75,6 +75,13 @@ def test_gloo_uses_the_interface_of_the_node_address_across_nodes(monkeypatch):
     assert seen["ifname"] == "ib0"
 
 
+def test_one_host_under_torchrun_is_left_to_gloo():
+    env = parallel.LaunchEnv(0, 4, 0, "127.0.0.1", 29500)
+    assert not parallel.several_hosts(env, {"TORCHELASTIC_USE_AGENT_STORE": "true", "LOCAL_WORLD_SIZE": "4"})
+    assert parallel.several_hosts(env, {"TORCHELASTIC_USE_AGENT_STORE": "true", "LOCAL_WORLD_SIZE": "2"})
+    assert parallel.several_hosts(env, {"SLURM_JOB_NUM_NODES": "2"})
+
+
 def test_gloo_keeps_an_interface_the_user_set(monkeypatch):
     monkeypatch.setattr(network, "node_address", lambda master, environ=None: "10.1.2.3")
     assert network.gloo_interface("10.1.2.1", {"GLOO_SOCKET_IFNAME": "eth7"}) == "eth7"
