@@ -130,8 +130,8 @@ def _set_gloo_interface(env: LaunchEnv) -> None:
     """GLOO_SOCKET_IFNAME = the interface of the address the node's SGLang servers bind (network.py)."""
     ifname = network.gloo_interface(env.master_addr)
     if ifname is None:
-        log.warning("no network interface holds this node's address %s: gloo resolves the host name %s itself "
-                    "(set GLOO_SOCKET_IFNAME if it is loopback)", network.node_address(env.master_addr),
+        log.warning("no usable network interface for this node's address %s: gloo resolves the host name %s "
+                    "itself (set GLOO_SOCKET_IFNAME if that is loopback)", network.node_address(env.master_addr),
                     socket.gethostname())
         return
     os.environ["GLOO_SOCKET_IFNAME"] = ifname

@@ -46,8 +46,6 @@ DEFAULT_VENV_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
 """KV-cache size on CPU when none is given (SGLang's own default there is ~15 GB of RAM)."""
 _LOG_TAIL_LINES = 30
-
-
 DETERMINISTIC_FLAG = "--enable-deterministic-inference"
 """Batch-invariant kernels, pytorch sampling, a deterministic attention backend: only then does SGLang honour the
 per-request sampling seed (sglang 0.5.23 arg_groups/overrides.py refuses torch_native, the CPU engine's)."""
