@@ -316,9 +316,7 @@ class TrainConfig:
     seed: int = knob(1, "[0, inf)")
     """Seeds data order, sampling and initialisation."""
     deterministic: bool = False
-    """Deterministic kernels in torch, Megatron + TE, NCCL and SGLang (loop/determinism.py; SGLang ignores the sampling
-    seed without it, its CPU engine cannot). Cost: slower actor backward and rollouts (batch-invariant kernels; see
-    tools/bench_actor.py, bench_rollout.py). Off, a resumed GPU run is a valid continuation, not the same run."""
+    """Deterministic kernels in torch, Megatron + TE, NCCL, SGLang: a slower backward and rollouts (loop/determinism.py)."""
     rollout_budget: int = knob(0, "[0, inf)", "0 = no limit")
     """Stop once this many responses have been generated (0 = no limit): equal-budget ablations. It counts
     finished responses: with streaming, the aborted ones are not counted (rollout/wasted_tokens shows

@@ -8,6 +8,10 @@
 - SGLang: `--enable-deterministic-inference` (batch-invariant kernels, pytorch sampling, a deterministic attention
   backend); without it SGLang ignores the per-request sampling seed. The CPU engine (torch_native) refuses it.
 The values follow Megatron's deterministic-training guide (docs.nvidia.com/megatron/deterministic-training).
+Cost: a slower actor backward (TE's deterministic attention backward, Megatron's embedding backward, Ring only) and
+slower rollouts (SGLang's batch-invariant kernels and pytorch sampling); measure both on the GPUs in question
+(tools/bench_actor.py, tools/bench_rollout.py). Off, a resumed GPU run is a valid continuation (same weights,
+optimizer state, data position and seeds), not the same run.
 """
 
 from __future__ import annotations
