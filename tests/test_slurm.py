@@ -79,7 +79,7 @@ def test_32b_first_contact_is_short_checks_every_phase_and_summarises_them(tmp_p
     """FIRST_CONTACT=1: the real layout for a few short steps (an evaluation, saves, the probe), its own run name and
     hour, and the phase summary after the trainer; the trainer's --dry-run accepts the overrides at 8 x 8 ranks."""
     r = bash("examples/run_dapo_32b.sh", "--nodes", "8", env=script_env(DRY_RUN="1", FIRST_CONTACT="1", PLAN="0"),
-             cwd=tmp_path)  # the README's command (its own test skips it: this one runs it)
+             cwd=tmp_path)  # the command the README gives (On a GPU)
     out = r.stdout
     assert r.returncode == 0, out[-3000:] + r.stderr[-3000:]
     sbatch = next(line for line in out.splitlines() if line.strip().startswith("sbatch "))
