@@ -2,8 +2,9 @@
 # Shared Slurm launcher of examples/run_dapo_32b.sh and examples/run_dapo_tiny.sh (sourced, not run).
 #
 # A run script sets the variables below, optionally defines `dapo_prepare` (run once inside the
-# allocation before the trainer, e.g. build or convert a checkpoint) and `dapo_presubmit` (checks
-# before a real submission), then calls `dapo_launch "$@"`:
+# allocation before the trainer, e.g. build or convert a checkpoint), `dapo_after` (once after a trainer
+# that succeeded; its status becomes the job's) and `dapo_presubmit` (checks before a real submission),
+# each with a `_show` twin for DRY_RUN where it has one, then calls `dapo_launch "$@"`:
 #   outside an allocation  -> submits the calling script with `sbatch --parsable` (options from env /
 #                             flags, which override its #SBATCH header) and prints the job id and log;
 #   inside an allocation   -> MASTER_ADDR = first host of the node list, a free MASTER_PORT, the
@@ -100,8 +101,9 @@ dapo_train_cmd() {
 dapo_srun_cmd() {  # nodes tasks_per_node
   DAPO_SRUN=(srun --kill-on-bad-exit=1 --label --nodes="$1" --ntasks-per-node="$2" --ntasks="$(($1 * $2))"
              --cpus-per-task="$CPUS_PER_TASK")
-  # every task sees all GPUs of its node (the trainer picks LOCAL_RANK; rank 0's SGLang servers use several)
-  if [ "${GPUS_PER_NODE:-0}" -gt 0 ]; then DAPO_SRUN+=(--gpus-per-node="$GPUS_PER_NODE"); fi
+  # every task sees all GPUs of its node (the trainer picks LOCAL_RANK; a node leader's SGLang servers use
+  # several): --gpu-bind=none overrides a site's default of one GPU per task (SLURM_GPU_BIND, cli_filter)
+  if [ "${GPUS_PER_NODE:-0}" -gt 0 ]; then DAPO_SRUN+=(--gpus-per-node="$GPUS_PER_NODE" --gpu-bind=none); fi
   DAPO_SRUN+=("${SRUN_EXTRA[@]}")
 }
 
@@ -160,6 +162,7 @@ dapo_show_inside() {  # nodes tasks_per_node
   dapo_srun_cmd "$1" "$2"
   dapo_train_cmd
   dapo_show "${DAPO_SRUN[@]}" "${DAPO_TRAIN[@]}"
+  if declare -F dapo_after_show >/dev/null; then dapo_after_show; fi
 }
 
 dapo_free_port() {
@@ -217,6 +220,7 @@ dapo_inside() {
   done
   trap - USR1
   dapo_log "trainer exited with status $rc"
+  if [ "$rc" -eq 0 ] && [ "$preempted" = 0 ] && declare -F dapo_after >/dev/null; then dapo_after || rc=$?; fi
   if [ "$preempted" = 1 ]; then
     dapo_log "requeueing job $SLURM_JOB_ID: checkpoint.resume=auto continues it"
     scontrol requeue "$SLURM_JOB_ID" || dapo_log "scontrol requeue failed: resubmit the job to continue"

@@ -21,7 +21,8 @@
 # PARTITION ACCOUNT SBATCH_ARGS ("--qos=high ..."); HF_DIR MEGATRON_CKPT RUN_NAME CKPT_DIR TB_DIR
 # TRAIN_DATA VAL_DATA MINI_BATCH_PROMPTS GPU_MEM_GB (planner: 80 for H100, 141 for H200); PLAN=0 skips
 # the planner; DRY_RUN=1 prints the sbatch/srun commands and runs the planner and the trainer's
-# --dry-run instead of submitting; PYTHON; MEGATRON_DAPO_SGLANG_PYTHON (the SGLang server's python).
+# --dry-run instead of submitting; FIRST_CONTACT=1 a short check of every phase first (below); PYTHON;
+# MEGATRON_DAPO_SGLANG_PYTHON (the SGLang server's python).
 #
 # Parallel layout (python -m megatron_dapo.plan --config examples/configs/dapo_qwen2.5_32b.yaml
 # --nodes 16 --gpus-per-node 8 prints the numbers):
@@ -63,6 +64,16 @@ cd "$DAPO_ROOT"  # relative paths below (and in the YAML) are relative to the re
 CONFIG=examples/configs/dapo_qwen2.5_32b.yaml
 PLAN=${PLAN:-1}
 GPU_MEM_GB=${GPU_MEM_GB:-80}
+
+# FIRST_CONTACT=1: a short run on the real layout before committing the cluster for days (see README, "On a GPU"):
+# 3 steps of 64 prompts with responses up to 2k tokens, an evaluation, checkpoint saves, the weight-sync probe and
+# the HF export; its own run name (started afresh each time), 1 hour; then one line per phase (phase_summary).
+FIRST_CONTACT=${FIRST_CONTACT:-0}
+if [ "$FIRST_CONTACT" = 1 ]; then
+  RUN_NAME=${RUN_NAME:-dapo_qwen2.5_32b_first_contact}
+  JOB_NAME=${JOB_NAME:-dapo-32b-first-contact}
+  WALLTIME=${WALLTIME:-01:00:00}
+fi
 
 HF_DIR=${HF_DIR:-models/Qwen2.5-32B}                       # local copy of Qwen/Qwen2.5-32B (base)
 MEGATRON_CKPT=${MEGATRON_CKPT:-checkpoints/Qwen2.5-32B-megatron}  # converted on first use
@@ -129,7 +140,18 @@ LOGGING_ARGS=(
   checkpoint.save_every=20
   checkpoint.resume=auto                 # a requeued job continues from its last checkpoint
 )
+FIRST_CONTACT_ARGS=(
+  train.steps=3
+  train.prompt_batch_size=64             # 2 updates of 32 prompts x 16 responses a step
+  algo.max_gen_rounds=2
+  rollout.max_response_len=2048
+  reward.overlong_cache_len=512
+  eval.every_steps=3 eval.n_samples=4 eval.max_prompts=32
+  checkpoint.save_every=2 checkpoint.resume=none checkpoint.overwrite=true
+  rollout.weight_sync_probe=true
+)
 TRAIN_ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${DAPO_ARGS[@]}" "${LOGGING_ARGS[@]}")
+if [ "$FIRST_CONTACT" = 1 ]; then TRAIN_ARGS+=("${FIRST_CONTACT_ARGS[@]}"); fi
 
 RUN_ENV=(
   OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
@@ -162,6 +184,14 @@ dapo_prepare_show() {
   dapo_show srun --kill-on-bad-exit=1 --nodes=1 --ntasks=1 --cpus-per-task="$CPUS_PER_TASK" \
     --gpus-per-node="$GPUS_PER_NODE" "${CONVERT_CMD[@]}"
 }
+
+# Inside the allocation, after the trainer succeeded: FIRST_CONTACT's one line per phase (exit 1 if one never ran).
+PHASE_SUMMARY_CMD=("${PYTHON:-python}" -m megatron_dapo.metrics.phase_summary --logdir "$TB_DIR/$RUN_NAME"
+                   --checkpoints "$CKPT_DIR/$RUN_NAME")
+if [ "$FIRST_CONTACT" = 1 ]; then
+  dapo_after() { dapo_log "first contact, one line per phase:"; "${PHASE_SUMMARY_CMD[@]}"; }
+  dapo_after_show() { echo "  # then (FIRST_CONTACT=1):"; dapo_show "${PHASE_SUMMARY_CMD[@]}"; }
+fi
 
 # Before a real submission: the job cannot start without weights.
 dapo_presubmit() {

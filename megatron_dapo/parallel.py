@@ -7,6 +7,7 @@ gloo without; on CPU megatron-core is made to run by `megatron_cpu.enable()`.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -17,8 +18,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_dapo import megatron_cpu
+from megatron_dapo import megatron_cpu, network
 from megatron_dapo.config import ParallelConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,8 @@ def initialize(cfg: ParallelConfig, *, seed: int, timeout_s: float | None = None
         if single_node(env):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets stay local as well
             store = loopback_store(env, timedelta(seconds=timeout_s))
+        elif several_hosts(env):  # every host-side collective is gloo's: not on the host name's address (127.0.1.1)
+            _set_gloo_interface(env)
         dist.init_process_group(backend_for(cfg), rank=env.rank, world_size=env.world_size, store=store,
                                 timeout=timedelta(seconds=timeout_s))
     tp, pp, ep = cfg.tensor_parallel, cfg.pipeline_parallel, cfg.expert_parallel
@@ -107,6 +112,29 @@ def initialize(cfg: ParallelConfig, *, seed: int, timeout_s: float | None = None
                                      expert_model_parallel_size=ep)
     seed_all(seed)
     return env
+
+
+def several_hosts(env: LaunchEnv, environ: dict[str, str] | None = None) -> bool:
+    """Whether the job may span hosts: Slurm's node count, else torchrun's local world against the world, else
+    whether the master is off this machine."""
+    e = os.environ if environ is None else environ
+    nodes = e.get("SLURM_JOB_NUM_NODES") or e.get("SLURM_NNODES")
+    if nodes:
+        return nodes != "1"
+    if e.get("LOCAL_WORLD_SIZE", "").isdigit():
+        return int(e["LOCAL_WORLD_SIZE"]) < env.world_size
+    return not network.is_loopback(env.master_addr)
+
+
+def _set_gloo_interface(env: LaunchEnv) -> None:
+    """GLOO_SOCKET_IFNAME = the interface of the address the node's SGLang servers bind (network.py)."""
+    ifname = network.gloo_interface(env.master_addr)
+    if ifname is None:
+        log.warning("no usable network interface for this node's address %s: gloo resolves the host name %s "
+                    "itself (set GLOO_SOCKET_IFNAME if that is loopback)", network.node_address(env.master_addr),
+                    socket.gethostname())
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = ifname
 
 
 def single_node(env: LaunchEnv, environ: dict[str, str] | None = None) -> bool:

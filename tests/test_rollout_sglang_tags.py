@@ -1,6 +1,8 @@
 """SGLang memory release/resume by tags (weights, kv_cache), as the sync phase uses them: the requests the
-engine sends, the fallback to a whole resume when a server refuses tags, and (`sglang` tier) the real
-server: weights resumed alone take a weight update, then the KV cache comes back and generation works."""
+engine sends, the fallback to a whole resume when a server refuses tags, the wait for an idle server before a
+release (SGLang's scheduler dies on a release while it serves), and (`sglang` tier) the real server: weights
+resumed alone take a weight update, then the KV cache comes back and generation works; a release sent while a
+request runs leaves the server serving."""
 
 from __future__ import annotations
 
@@ -16,25 +18,45 @@ from megatron_dapo.rollout.sglang.server import SGLangServerError
 from sglang_support import SGLANG_TIMEOUT, server_ports
 
 
-@pytest.fixture
-def offline(tiny_hf, monkeypatch):
-    """An SGLangEngine attached to nothing: its HTTP calls are recorded (and answered) here."""
-    engine = SGLangEngine(tiny_hf("qwen2"), SGLangConfig(), attach=True, wait=False, port=server_ports())
-    calls: list[tuple[str, object]] = []
-    refuse = {"tags": False}
+class ScriptedServer:
+    """What the engine's HTTP calls meet instead of a server: POSTs are recorded and answered; /v1/loads reports
+    `running` requests (one fewer per report: they drain); /release_memory_occupation while any runs fails as
+    SGLang's does (sglang 0.5.23 weight_updater.py asserts `is_fully_idle()`, and the scheduler dies)."""
 
-    def post(path, body=None, *, timeout=None):
-        calls.append((path, body))
-        if refuse["tags"] and body:
-            raise engine._error(f"answered POST {path} with HTTP 400: tags unsupported")
+    def __init__(self, engine: SGLangEngine) -> None:
+        self.engine, self.calls, self.refuse_tags, self.running, self.dead = engine, [], False, 0, False
+
+    def __call__(self, method, path, body=None, *, timeout=None):
+        if self.dead:
+            raise self.engine._error(f"exited with code 1 while serving {method} {path}")
+        if method == "GET":
+            assert path.startswith("/v1/loads")
+            report = {"loads": [{"dp_rank": 0, "num_running_reqs": self.running, "num_waiting_reqs": 0}]}
+            self.running = max(self.running - 1, 0)
+            return report
+        self.calls.append((path, body))
+        if path == "/release_memory_occupation" and self.running:
+            self.dead = True
+            raise self.engine._error("AssertionError: release_memory_occupation should be called only when server "
+                                     "is idle.")
+        if self.refuse_tags and body:
+            raise self.engine._error(f"answered POST {path} with HTTP 400: tags unsupported")
         return {}
 
-    monkeypatch.setattr(engine, "post", post)
-    return engine, calls, refuse
+
+@pytest.fixture
+def scripted(tiny_hf, monkeypatch):
+    """An SGLangEngine attached to nothing: its HTTP calls go to a `ScriptedServer`."""
+    engine = SGLangEngine(tiny_hf("qwen2"), SGLangConfig(), attach=True, wait=False, port=server_ports())
+    server = ScriptedServer(engine)
+    monkeypatch.setattr(engine, "call", server)
+    monkeypatch.setattr(engine, "IDLE_POLL_S", 0.0)
+    return engine, server
 
 
-def test_sync_phase_requests(offline):
-    engine, calls, _ = offline
+def test_sync_phase_requests(scripted):
+    engine, server = scripted
+    calls = server.calls
     engine.sleep()  # train: everything goes
     engine.wake(["weights"])  # sync: the weights only...
     assert engine.asleep and not engine.weights_released
@@ -56,9 +78,10 @@ def test_sync_phase_requests(offline):
     assert calls == [("/release_memory_occupation", {}), ("/resume_memory_occupation", {})]
 
 
-def test_a_server_without_tags_gets_whole_resumes(offline):
-    engine, calls, refuse = offline
-    refuse["tags"] = True
+def test_a_server_without_tags_gets_whole_resumes(scripted):
+    engine, server = scripted
+    calls = server.calls
+    server.refuse_tags = True
     engine.sleep()
     engine.wake(["weights"])  # refused: one whole resume instead, the KV cache comes back with the weights
     assert not engine.asleep
@@ -68,13 +91,73 @@ def test_a_server_without_tags_gets_whole_resumes(offline):
     assert engine.weights_released
 
 
-def test_a_dead_server_is_not_retried(offline, monkeypatch):
-    engine, _, refuse = offline
-    refuse["tags"] = True
+def test_a_dead_server_is_not_retried(scripted, monkeypatch):
+    engine, server = scripted
+    server.refuse_tags = True
     engine.sleep()
     monkeypatch.setattr(engine, "dead_reason", lambda: "exited with code 1")
     with pytest.raises(SGLangServerError):
         engine.wake(["weights"])
+
+
+def test_sleep_waits_until_the_aborted_requests_drain(scripted):
+    """After a stream's abort() stopped waiting, requests still run: the release waits for an idle report."""
+    engine, server = scripted
+    server.running = 3
+    engine.sleep()
+    assert server.calls == [("/release_memory_occupation", {})] and not server.dead
+    assert engine.asleep
+
+
+def test_sleep_aborts_stragglers_again_and_refuses_to_release_a_busy_server(scripted, monkeypatch):
+    engine, server = scripted
+    server.running = 10**6
+    monkeypatch.setattr(engine, "REABORT_S", 0.0)
+    with pytest.raises(EngineStateError, match="still has .* request"):
+        engine.wait_idle(timeout_s=0.05)
+    assert server.calls and all(c == ("/abort_request", {"abort_all": True}) for c in server.calls)
+    assert not server.dead and not engine.asleep
+
+
+def test_a_server_without_a_load_report_is_not_waited_for(scripted, monkeypatch):
+    engine, server = scripted
+    monkeypatch.setattr(engine, "call", lambda method, path, body=None, *, timeout=None:
+                        server(method, path, body) if method == "POST" else None)  # /v1/loads unknown: no JSON
+    engine.sleep()
+    assert server.calls == [("/release_memory_occupation", {})]
+
+
+@pytest.mark.sglang
+@SGLANG_TIMEOUT
+def test_real_server_sleeps_while_it_still_serves(sglang_python, models, hf, tmp_path):
+    """A release sent while a request runs killed SGLang's scheduler; sleep() now waits for it (or aborts it)."""
+    import threading
+
+    engine = SGLangEngine(models["a"], SGLangConfig(startup_timeout_s=600, request_timeout_s=300),
+                          python=sglang_python, port=server_ports(), dtype="float32", max_total_tokens=8192,
+                          log_dir=tmp_path)
+    try:
+        done = threading.Event()
+
+        def generate() -> None:
+            try:
+                engine.generate([[5, 6, 7]] * 8, 1, SamplingParams(max_new_tokens=1000, ignore_eos=True))
+            finally:
+                done.set()
+
+        threading.Thread(target=generate, daemon=True).start()
+        deadline = time.monotonic() + 60
+        while not engine._busy_requests() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine._busy_requests(), "the generation never showed in the load report"
+        engine.sleep()  # before: AssertionError in the scheduler, which died
+        assert done.wait(60) and engine.dead_reason() is None
+        engine.wake(["weights"])  # released weights are lost (the CPU shim): the scheduler takes a sync, then serves
+        engine.update_weights([(n, p.detach().clone()) for n, p in hf["a"].named_parameters()], transport="tensor")
+        engine.wake()
+        assert engine.generate([[5, 6, 7]], 1, SamplingParams(max_new_tokens=4))[0][0].response_ids
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.sglang

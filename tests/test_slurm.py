@@ -1,7 +1,8 @@
 """The Slurm launcher (examples/launch_common.sh, run_dapo_32b.sh, run_dapo_tiny.sh).
 
 Default tier (no Slurm needed): the scripts parse; the 32B script's DRY_RUN mode prints the sbatch /
-srun commands and runs the planner and the trainer's --dry-run; a layout the planner refuses is never
+srun commands (every task seeing its node's GPUs) and runs the planner and the trainer's --dry-run, also in its
+FIRST_CONTACT mode; a layout the planner refuses is never
 submitted (a stub `sbatch` records calls); the tiny script runs locally by default and, inside an
 allocation, validates with 2 ranks.
 
@@ -61,7 +62,8 @@ def test_32b_dry_run_prints_commands_and_plans(tmp_path):
                  "--job-name=dapo-qwen2.5-32b", "--time=48:00:00", "examples/run_dapo_32b.sh"):
         assert flag in sbatch, (flag, sbatch)
     srun = next(ln for ln in out.splitlines() if "megatron_dapo.train --config" in ln and "srun" in ln)
-    for part in ("--kill-on-bad-exit=1", "--ntasks=128", "--gpus-per-node=8", "parallel.tensor_parallel=8",
+    for part in ("--kill-on-bad-exit=1", "--ntasks=128", "--gpus-per-node=8", "--gpu-bind=none",
+                 "parallel.tensor_parallel=8",
                  "rollout.engine=sglang", "rollout.sglang.tensor_parallel=4", "checkpoint.resume=auto",
                  "train.mini_batch_size=32", "model.load=checkpoints/Qwen2.5-32B-megatron",
                  "algo.eps_high=0.28"):
@@ -71,6 +73,25 @@ def test_32b_dry_run_prints_commands_and_plans(tmp_path):
     assert "TP=8 x PP=1 x DP=16" in out and "verdict: FITS" in out  # the planner ran
     assert "--world-size 128 --dry-run" in out and "tensor_parallel: 8" in out  # the trainer's check ran
     assert "mini_batch_size: 32" in out
+
+
+def test_32b_first_contact_is_short_checks_every_phase_and_summarises_them(tmp_path):
+    """FIRST_CONTACT=1: the real layout for a few short steps (an evaluation, saves, the probe), its own run name and
+    hour, and the phase summary after the trainer; the trainer's --dry-run accepts the overrides at 8 x 8 ranks."""
+    r = bash("examples/run_dapo_32b.sh", "--nodes", "8", env=script_env(DRY_RUN="1", FIRST_CONTACT="1", PLAN="0"),
+             cwd=tmp_path)  # the command the README gives (On a GPU)
+    out = r.stdout
+    assert r.returncode == 0, out[-3000:] + r.stderr[-3000:]
+    sbatch = next(line for line in out.splitlines() if line.strip().startswith("sbatch "))
+    assert "--time=01:00:00" in sbatch and "--job-name=dapo-32b-first-contact" in sbatch and "--nodes=8" in sbatch
+    srun = next(ln for ln in out.splitlines() if "megatron_dapo.train --config" in ln and "srun" in ln)
+    for part in ("train.steps=3", "rollout.max_response_len=2048", "eval.every_steps=3", "checkpoint.save_every=2",
+                 "rollout.weight_sync_probe=true", "logging.run_name=dapo_qwen2.5_32b_first_contact"):
+        assert part in srun, (part, srun)
+    assert ("megatron_dapo.metrics.phase_summary --logdir runs/dapo_qwen2.5_32b_first_contact --checkpoints "
+            "checkpoints/dapo_qwen2.5_32b_first_contact") in out
+    config = out[out.index("--world-size 64 --dry-run"):]
+    assert "  steps: 3\n" in config and "  max_response_len: 2048\n" in config
 
 
 def test_32b_dry_run_flags_override_the_header():

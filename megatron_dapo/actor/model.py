@@ -178,11 +178,24 @@ def param_dtype(cfg: ModelConfig) -> torch.dtype:
 
 
 def attention_kernel(cfg: ModelConfig) -> str:
-    """The core attention the actor's layers run, as the start-up summary names it."""
+    """The core attention and the rotary embedding the actor's layers run, as the start-up summary names them."""
+    rope = "rotary embedding " + ("fused (Transformer Engine)" if rope_fusion(cfg) else "unfused (megatron-core)")
     if use_transformer_engine(cfg):
-        return "Transformer Engine's"
+        return f"Transformer Engine's, {rope}"
     return ("torch SDPA" if cfg.local_attention == "sdpa" else "Megatron's unfused") + \
-        f" (model.local_attention={cfg.local_attention})"
+        f" (model.local_attention={cfg.local_attention}), {rope}"
+
+
+def rope_fusion(cfg: ModelConfig) -> bool:
+    """Transformer Engine's fused rotary embedding, wherever its layer spec is in use. megatron-core 0.16.1's
+    unfused one syncs the device (`.tolist()`, `.item()`) and loops in Python over the packed sequences in
+    every layer. Not with the local spec: `rotary_positions` feeds per-row angles, which TE's kernel (one angle
+    table for the whole batch) would misapply."""
+    if not use_transformer_engine(cfg):
+        return False
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return rope_utils.fused_apply_rotary_pos_emb is not None and rope_utils.fused_apply_rotary_pos_emb_thd is not None
 
 
 def packs_sequences(cfg: ModelConfig, par: ParallelConfig) -> int:
@@ -244,13 +257,15 @@ def transformer_config(spec: ModelSpec, model_cfg: ModelConfig, par: ParallelCon
         params_dtype=dtype, bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype, use_cpu_initialization=megatron_cpu.is_enabled(),
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        apply_rope_fusion=rope_fusion(model_cfg), persist_layer_norm=False, gradient_accumulation_fusion=False,
         batch_p2p_comm=not megatron_cpu.is_enabled(),
         # micro-batches are packed by a token budget, so their shapes differ; (the allgather MoE
         # dispatcher refuses variable lengths even in a dense model, hence alltoall)
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
         # our loss is normalised by the global token count: Megatron must not rescale it
         calculate_per_token_loss=True,
+        # train.deterministic (loop/determinism.py) switches torch's; Megatron's and TE's kernels follow
+        deterministic_mode=torch.are_deterministic_algorithms_enabled(),
         **_moe_fields(spec.moe), **_init_methods(init_weights), **recompute[model_cfg.recompute])
 
 
@@ -369,6 +384,9 @@ def rotary_positions(model: Any, position_ids: torch.Tensor | None) -> Iterator[
     if position_ids is None or rope is None:
         yield
         return
+    if model.config.apply_rope_fusion:
+        raise RuntimeError("per-row rotary positions need the unfused rotary embedding: TE's fused kernel applies "
+                           "one angle table to every row (rope_fusion)")
     table = type(rope).forward(rope, int(position_ids.max()) + 1)  # [positions, 1, 1, dim]
     freqs = table[position_ids.t().to(table.device), 0]  # [s, b, 1, dim]: broadcast over the heads
 

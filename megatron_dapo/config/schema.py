@@ -321,7 +321,7 @@ class TrainConfig:
     seed: int = knob(1, "[0, inf)")
     """Seeds data order, sampling and initialisation."""
     deterministic: bool = False
-    """Deterministic algorithms (slower); required for exact resume comparisons."""
+    """Deterministic kernels in torch, Megatron + TE, NCCL, SGLang: a slower backward and rollouts (loop/determinism.py)."""
     rollout_budget: int = knob(0, "[0, inf)", "0 = no limit")
     """Stop once this many responses have been generated (0 = no limit): equal-budget ablations. It counts
     finished responses: with streaming, the aborted ones are not counted (rollout/wasted_tokens shows

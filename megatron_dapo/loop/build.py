@@ -19,7 +19,7 @@ from megatron_dapo.config import Config, to_dict
 from megatron_dapo.data import PromptFormat, PromptIterator
 from megatron_dapo.data.render import default_system_prompt, use_chat_template
 from megatron_dapo.hf_files import HFCheckpointError
-from megatron_dapo.loop import run_dir
+from megatron_dapo.loop import determinism, run_dir
 from megatron_dapo.loop.engines import make_engine
 from megatron_dapo.loop.old_policy import resolve_old_logprob_source
 from megatron_dapo.loop.phases import Phases
@@ -50,9 +50,12 @@ def build_run(cfg: Config) -> RunState:
                                                 cfg.data.few_shot_path)
     except (RewardLoadError, ValueError, OSError) as e:
         raise SetupError(str(e)) from e
+    if cfg.train.deterministic:  # before NCCL, cuBLAS or TE first run
+        try:
+            determinism.enable()
+        except ValueError as e:
+            raise SetupError(str(e)) from None
     parallel.initialize(cfg.parallel, seed=cfg.train.seed)
-    if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True)
     hf_dir = cfg.model.hf_dir
     try:
         tokenizer = check_model(hf_dir)

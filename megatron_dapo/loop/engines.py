@@ -70,7 +70,8 @@ def _start_sglang(cfg: Config, hf_dir: str, threads: int | None):
     # the actor's dtype, not SGLang's "auto" (which serves a float32 checkpoint in float16)
     dtype = str(param_dtype(cfg.model)).removeprefix("torch.")
     return start_job_servers(hf_dir, cfg.rollout.sglang, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
-                             dtype=dtype, colocate=cfg.rollout.colocate, threads=threads)
+                             dtype=dtype, colocate=cfg.rollout.colocate, threads=threads,
+                             deterministic=cfg.train.deterministic)
 
 
 def _why_own_weights(cfg: Config) -> str | None:

@@ -13,6 +13,7 @@ from megatron_dapo.config.model_checks import read_model_config
 from megatron_dapo.hf_files import HFCheckpointError, hf_tensor_table
 from megatron_dapo.kernels import resolve_impl
 from megatron_dapo.kernels.policy_loss import loss_path
+from megatron_dapo.loop import determinism
 
 
 def hf_parameter_count(hf_dir: str) -> int | None:
@@ -79,6 +80,7 @@ class StartupReport:
             f"policy loss: {policy_loss_line(cfg)}",
             f"pi_old: {self.old_logprobs}",
             f"rollout schedule: {schedule_line(cfg)}",
+            f"determinism: {determinism.line(cfg.train.deterministic, cfg.rollout.engine)}",
             *self.data,
         ]
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,16 +209,59 @@ class SGLangEngine(SGLangServer, RolloutEngine):
     SERVER_MEMORY_TYPES = ("weights", "kv_cache", "cuda_graph")
 
     def sleep(self, tags: Sequence[str] | None = None) -> None:
-        """/release_memory_occupation: everything (tags=None), or only the tagged regions."""
+        """/release_memory_occupation: everything (tags=None), or only the tagged regions; once the server is
+        idle (`wait_idle`)."""
         new = set(check_tags(tags)) - self._released
         if not new:
             return
+        self.wait_idle()
         if tags is None or not self._tags_ok:
             self.post("/release_memory_occupation", {}, timeout=600)
             self._released = set(self.SERVER_MEMORY_TYPES)
             return
         self.post("/release_memory_occupation", {"tags": sorted(new)}, timeout=600)
         self._released |= new
+
+    IDLE_WAIT_S = 300.0
+    """How long `wait_idle` waits for the server to drain before it refuses to release its memory."""
+    IDLE_POLL_S = 0.1
+    REABORT_S = 5.0
+
+    def wait_idle(self, timeout_s: float | None = None) -> None:
+        """Until two load reports in a row (/v1/loads) show no request running or waiting. SGLang's handler of
+        /release_memory_occupation asserts that the scheduler is fully idle, and the failed assertion kills the
+        scheduler (sglang 0.5.23 managers/scheduler_components/weight_updater.py); a stream's abort() stops
+        waiting for its aborted calls after a bound, so some may still run when the trainer releases. Those get
+        /abort_request again every REABORT_S seconds. A server without the report (older SGLang) is not waited for."""
+        timeout_s = self.IDLE_WAIT_S if timeout_s is None else timeout_s
+        start = time.monotonic()
+        idle_reports, next_abort = 0, start + self.REABORT_S
+        while True:
+            busy = self._busy_requests()
+            idle_reports = idle_reports + 1 if not busy else 0
+            if busy is None or idle_reports == 2:
+                return
+            now = time.monotonic()
+            if now - start > timeout_s:
+                raise EngineStateError(f"SGLang engine {self.url} still has {busy} request(s) {timeout_s:g} s after "
+                                       "the trainer asked it to sleep: its memory is not released (SGLang's "
+                                       "scheduler dies on a release while it serves)")
+            if busy and now >= next_abort:
+                self.post("/abort_request", {"abort_all": True}, timeout=60)
+                next_abort = now + self.REABORT_S
+            time.sleep(self.IDLE_POLL_S)
+
+    def _busy_requests(self) -> int | None:
+        """Requests running or waiting on the server's schedulers (/v1/loads); None without that report."""
+        try:
+            loads = self.call("GET", "/v1/loads?include=core", None, timeout=60)["loads"]
+            return sum(int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0)) for x in loads)
+        except SGLangServerError:
+            if self.dead_reason() is not None:
+                raise
+            return None
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
         """/resume_memory_occupation of `tags` (None: everything still released). A server that refuses

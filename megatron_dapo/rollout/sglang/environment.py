@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import subprocess
 
+from megatron_dapo.network import _outgoing_address, is_loopback, node_address  # noqa: F401 - used here and by fleet.py
+
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                        "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR",
                        "MASTER_PORT")
@@ -65,48 +67,7 @@ def missing_cuda_modules(python: str, *, memory_saver: bool) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------- node address
-
-
-_PROBE_PORT = 9  # discard; a UDP connect() only picks the route, nothing is sent
-_DEFAULT_ROUTE_PROBE = "192.0.2.1"  # TEST-NET-1 (RFC 5737): reached through the default route, if any
-
-
-def _outgoing_address(target: str) -> str | None:
-    """The local address of the interface the kernel routes towards `target` (None if there is no route)."""
-    import socket
-
-    try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(target, _PROBE_PORT, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(sockaddr)
-            return str(s.getsockname()[0])
-    except OSError:
-        return None
-
-
-def is_loopback(address: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return address == "localhost"
-
-
-def node_address(master_addr: str, environ: dict[str, str] | None = None) -> str:
-    """The address other nodes reach this one at: $DAPO_NODE_ADDR, else the interface that routes towards
-    the job's master (a host name often resolves to 127.0.1.1 on Debian/Ubuntu), else the one of the default
-    route, else the host name's address."""
-    import socket
-
-    env = os.environ if environ is None else environ
-    if env.get("DAPO_NODE_ADDR"):
-        return env["DAPO_NODE_ADDR"]
-    for target in (master_addr, _DEFAULT_ROUTE_PROBE):
-        addr = _outgoing_address(target) if target else None
-        if addr is not None and not is_loopback(addr):
-            return addr
-    return socket.gethostbyname(socket.gethostname())
+# (megatron_dapo/network.py: the trainer's gloo sockets use the same address)
 
 
 def check_node_addresses(nodes: list[tuple[int, str, str]]) -> None:

@@ -1,5 +1,5 @@
 """Process-tree handling for a launched server (Linux): its start (own session, stop signals blocked, the
-parent-death signal, a watchdog), a port probe, the worker processes (with start times against PID reuse),
+parent-death signal, a watchdog, every CPU of the node's allocation), a port probe, the worker processes (with start times against PID reuse),
 the kill of a whole process group, a log tail. Nothing here knows SGLang; `server.SGLangServer` uses it."""
 
 from __future__ import annotations
@@ -72,10 +72,20 @@ def _server_preexec(kill_with_parent: bool) -> Callable[[], None]:
 
     def preexec() -> None:
         block_stop_signals()
+        widen_cpu_affinity()
         if prctl is not None:
             prctl(1, STOP_SIGNAL)  # PR_SET_PDEATHSIG
 
     return preexec
+
+
+def widen_cpu_affinity() -> None:
+    """Let the calling process run on every CPU its cpuset allows. A server inherits the CPU binding of the
+    trainer rank that starts it (srun --cpus-per-task=12: 12 CPUs for a node's servers, their TP schedulers and
+    helpers); the kernel narrows the request to the cpuset (the job's CPUs on the node), so this never leaves
+    the allocation."""
+    with suppress(OSError, AttributeError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
 
 
 def port_in_use(host: str, port: int) -> bool:

@@ -46,6 +46,9 @@ DEFAULT_VENV_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
 """KV-cache size on CPU when none is given (SGLang's own default there is ~15 GB of RAM)."""
 _LOG_TAIL_LINES = 30
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+"""Batch-invariant kernels, pytorch sampling, a deterministic attention backend: only then does SGLang honour the
+per-request sampling seed (sglang 0.5.23 arg_groups/overrides.py refuses torch_native, the CPU engine's)."""
 
 
 class SGLangServerError(RuntimeError):
@@ -90,8 +93,11 @@ class SGLangServer:
         attach: bool = False,
         api_key: str | None = None,
         threads: int | None = None,
+        deterministic: bool = False,
     ) -> None:
         self.cfg = cfg or SGLangConfig()
+        self.deterministic = deterministic
+        """train.deterministic: SGLang's deterministic inference (DETERMINISTIC_FLAG; on a GPU only)."""
         self.api_key = api_key
         """Sent as `Authorization: Bearer` with every request; a started server gets `--api-key`."""
         self.threads = threads
@@ -167,6 +173,8 @@ class SGLangServer:
             cmd += ["--max-total-tokens", str(max_total_tokens)]
         if self.api_key:
             cmd.append(f"--api-key={self.api_key}")  # one token: a key may begin with "-"
+        if self.deterministic and self.device != "cpu" and DETERMINISTIC_FLAG not in user:
+            cmd.append(DETERMINISTIC_FLAG)  # the CPU engine (torch_native) refuses it: CPU samples are not seeded
         return cmd + user
 
     def _server_env(self) -> dict[str, str]:

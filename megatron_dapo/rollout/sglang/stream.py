@@ -11,9 +11,9 @@ logprobs). Other streams' and callers' requests are untouched, and the engine st
 group (`GroupRequest.resume`, partial rollout) sends only its unfinished samples, each as prompt +
 response so far with the rest of its max_new_tokens.
 
-Reproducibility: SGLang honours `sampling_seed` only with --enable-deterministic-inference, which
-needs a GPU attention backend (fa3, flashinfer, triton); on the CPU engine (torch_native) it refuses
-that flag, so CPU samples are not reproducible. A server that dies fails its group's call with
+Reproducibility: SGLang honours `sampling_seed` only with --enable-deterministic-inference (train.deterministic
+passes it on a GPU), which needs a GPU attention backend (fa3, flashinfer, triton); on the CPU engine
+(torch_native) it refuses that flag, so CPU samples are not reproducible. A server that dies fails its group's call with
 `SGLangServerError` naming it, raised by `next()`.
 """
 
@@ -51,7 +51,8 @@ from megatron_dapo.types import Sample
 
 _STREAMS = itertools.count()
 _ABORT_WAIT_S = 120.0
-"""How long abort() waits for the aborted calls to return (a live server answers within a step)."""
+"""How long abort() waits for the aborted calls to return (a live server answers within a step). Calls still
+running after it keep the server busy: the engine's sleep() waits for its idle report (SGLangEngine.wait_idle)."""
 _ABORT_THREADS = 8
 
 
