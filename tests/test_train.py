@@ -80,13 +80,27 @@ def test_dry_run_and_config_errors(python_env):
     r = subprocess.run([sys.executable, "-m", "megatron_dapo.train", "--config", cfg, "algo.eps_hgh=1"],
                        capture_output=True, text=True, env=python_env, timeout=120)
     assert r.returncode == 2 and "algo.eps_hgh" in r.stderr and "Traceback" not in r.stderr
+    # the error is the first line: megatron-core's import-time warnings stay out of our command lines
+    assert r.stderr.splitlines()[0].startswith("config error:") and "algo.eps_high" in r.stderr.splitlines()[0], \
+        r.stderr
 
 
 def test_missing_base_model_is_a_clear_error(tmp_path, python_env):
     r = subprocess.run([sys.executable, "-m", "megatron_dapo.train", "--config",
                         str(REPO / "examples/configs/tiny_cpu.yaml"), f"model.hf_dir={tmp_path / 'nope'}"],
                        capture_output=True, text=True, env=python_env, timeout=300)
-    assert r.returncode != 0 and "make_tiny_base" in r.stderr
+    assert r.returncode == 2 and str((tmp_path / "nope").resolve()) in r.stderr, r.stderr
+    assert "make_tiny_base" not in r.stderr  # only the tiny base can be built for you
+
+
+def test_missing_model_folder_names_its_absolute_path(tmp_path, monkeypatch):
+    from megatron_dapo.loop.preflight import SetupError, check_model
+
+    monkeypatch.chdir(tmp_path)
+    for name, tiny in (("models/my-model", False), ("checkpoints/tiny_base", True)):
+        with pytest.raises(SetupError) as e:
+            check_model(name)
+        assert str(tmp_path / name) in str(e.value) and ("make_tiny_base" in str(e.value)) == tiny, e.value
 
 
 @pytest.mark.slow
