@@ -103,6 +103,42 @@ def test_missing_model_folder_names_its_absolute_path(tmp_path, monkeypatch):
         assert str(tmp_path / name) in str(e.value) and ("make_tiny_base" in str(e.value)) == tiny, e.value
 
 
+def test_rerunning_a_finished_run_says_so(tmp_path, capsys):
+    """checkpoint.resume=auto at or past train.steps with hf_final exported: one line naming how to start
+    fresh, nothing built (model.hf_dir does not exist). Without hf_final the run starts, to export it."""
+    from megatron_dapo.actor.checkpoint import step_dir
+    from megatron_dapo.config import load_config
+    from megatron_dapo.loop.preflight import SetupError
+    from megatron_dapo.train import train
+
+    root = tmp_path / "ckpt" / "done"
+    (step_dir(root, 40)).mkdir(parents=True)
+    (step_dir(root, 40) / "COMPLETE").touch()
+    cfg = lambda steps: load_config(None, [f"checkpoint.dir={tmp_path / 'ckpt'}", "logging.run_name=done",  # noqa: E731
+                                           f"train.steps={steps}", f"model.hf_dir={tmp_path / 'no_model'}",
+                                           f"logging.tensorboard_dir={tmp_path / 'runs'}"])
+    from megatron_dapo import parallel
+
+    with pytest.raises(SetupError):  # hf_final missing: it starts (and fails on the missing model here)
+        try:
+            train(cfg(10))
+        finally:
+            parallel.destroy()
+    (root / "hf_final").mkdir()
+    (root / "hf_final" / "config.json").write_text("{}")
+    capsys.readouterr()
+    for steps in (40, 10):
+        assert train(cfg(steps)) == {}
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "step 40" in err and f"train.steps={steps}" in err, err
+        assert "logging.run_name" in err and "checkpoint.resume=none" in err, err
+    with pytest.raises(SetupError):  # more steps: it continues
+        try:
+            train(cfg(41))
+        finally:
+            parallel.destroy()
+
+
 @pytest.mark.slow
 def test_full_tiny_run(tmp_path, python_env):
     """README command 1 end to end: builds the base if needed, trains, evaluates, exports.
