@@ -190,6 +190,29 @@ def test_summary_after_a_resume_covers_the_whole_run(tmp_path):
     resumed.close()
 
 
+def test_tensorboard_drops_the_steps_redone_after_a_resume(tmp_path):
+    """The resumed writer's purge_step: TensorBoard shows each redone step once, with the redone value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsWriter(tmp_path)
+    for step in range(1, 6):
+        first.write(step, {"train/reward_mean": float(step)})
+    first.close()  # killed after step 5; its checkpoint is step 3
+    resumed = MetricsWriter(tmp_path)
+    resumed.load_history(until_step=3)
+    for step in (4, 5):
+        resumed.write(step, {"train/reward_mean": 10.0 * step})
+    resumed.close()
+    ea = EventAccumulator(str(tmp_path))
+    ea.Reload()
+    assert [(e.step, e.value) for e in ea.Scalars("train/reward_mean")] == [(1, 1), (2, 2), (3, 3), (4, 40), (5, 50)]
+
+
+def test_a_writer_that_never_wrote_leaves_no_folder(tmp_path):
+    MetricsWriter(tmp_path / "runs" / "failed").close()
+    assert not (tmp_path / "runs" / "failed").exists()
+
+
 def test_sample_texts_read_back_per_split_and_step(tmp_path):
     """read_texts: write_samples' TensorBoard text per split and step, a replayed step's last text winning."""
     def records(prompt):

@@ -27,26 +27,32 @@ class MetricsWriter:
         self.history: dict[str, dict[int, float]] = defaultdict(dict)
         """tag -> step -> value (a replayed step overwrites)."""
         self._writer = None
+        """The TensorBoard writer, opened at the first write: a run that dies while starting leaves no folder."""
+        self._purge_step: int | None = None
         self._wandb = None
         self._sample_steps: set[int] = set()
-        if enabled:
+        if enabled and wandb is not None and wandb.enabled:
+            from megatron_dapo.wandb_mirror import WandbMirror
+
+            self._wandb = WandbMirror(wandb, self.logdir, self.logdir.name, run_config or {})
+
+    def _tensorboard(self) -> Any:
+        if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
             self.logdir.mkdir(parents=True, exist_ok=True)
-            self._writer = SummaryWriter(str(self.logdir))
-            if wandb is not None and wandb.enabled:
-                from megatron_dapo.wandb_mirror import WandbMirror
-
-                self._wandb = WandbMirror(wandb, self.logdir, self.logdir.name, run_config or {})
+            self._writer = SummaryWriter(str(self.logdir), purge_step=self._purge_step)
+        return self._writer
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         if not self.enabled:
             return
+        tb = self._tensorboard()
         for tag, value in scalars.items():
             value = float(value)
-            self._writer.add_scalar(tag, value, step)
+            tb.add_scalar(tag, value, step)
             self.history[tag][step] = value
-        self._writer.flush()
+        tb.flush()
         if self._wandb is not None:
             self._wandb.log(step, {tag: float(v) for tag, v in scalars.items()})
 
@@ -65,7 +71,7 @@ class MetricsWriter:
             f"**prompt** ({r['uid']}, truth {r['ground_truth']}):\n```\n{r['prompt']}\n```\n"
             f"**response** (reward {r['reward']:.3f}, acc {int(r['acc'])}, {r['length']} tokens):\n"
             f"```\n{r['response']}\n```" for r in records[:text_count])
-        self._writer.add_text(f"samples/{split}", text, step)
+        self._tensorboard().add_text(f"samples/{split}", text, step)
         self._writer.flush()
         if self._wandb is not None:
             self._wandb.log_samples(step, split, records)
@@ -73,9 +79,14 @@ class MetricsWriter:
 
     def load_history(self, until_step: int) -> None:
         """After a resume: take the plotted curves up to `until_step` from the run's earlier event files,
-        so the summary covers the whole run, not only the steps since the resume."""
+        so the summary covers the whole run, not only the steps since the resume; TensorBoard is told to
+        drop what the earlier run wrote after `until_step` (its purge_step), so a redone step shows once."""
         if not self.enabled:
             return
+        if self._writer is not None:  # (written before the resume: reopened with the purge)
+            self._writer.close()
+            self._writer = None
+        self._purge_step = until_step + 1
         for tag, points in read_scalars(self.logdir, PLOTTED).items():
             self.history[tag].update({step: v for step, v in points.items() if step <= until_step})
 
@@ -98,6 +109,7 @@ class MetricsWriter:
             ax.grid(alpha=0.3)
         fig.tight_layout()
         out = Path(path) if path else self.logdir / "summary.png"
+        out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=90)
         plt.close(fig)
         return out
