@@ -344,11 +344,18 @@ def run_training(cfg: Config) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         last = latest_checkpoint(Path(cfg.checkpoint.dir) / cfg.logging.run_name)
-        print_error("train", f"last complete checkpoint: {last or 'none'}", kind="interrupted (Ctrl-C)",
-                    same_on_all_ranks=True)
+        print_error("train", interrupted_line(last), kind="interrupted (Ctrl-C)", same_on_all_ranks=True)
         return EXIT_INTERRUPTED
     finally:
         parallel.destroy()
+
+
+def interrupted_line(last: Path | None) -> str:
+    """What Ctrl-C leaves: Ctrl-C does not save the step in flight (SIGTERM does), and how to go on."""
+    if last is None:
+        return "no checkpoint yet (Ctrl-C does not save; SIGTERM finishes the step and saves): rerun the same command to start again"
+    return (f"last complete checkpoint: {last} (Ctrl-C does not save the step in flight; SIGTERM does): rerun the same "
+            "command to resume from it")
 
 
 if __name__ == "__main__":

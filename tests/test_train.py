@@ -103,6 +103,14 @@ def test_missing_model_folder_names_its_absolute_path(tmp_path, monkeypatch):
         assert str(tmp_path / name) in str(e.value) and ("make_tiny_base" in str(e.value)) == tiny, e.value
 
 
+def test_ctrl_c_says_how_to_resume_and_what_saves(tmp_path):
+    from megatron_dapo.train import interrupted_line
+
+    for last in (tmp_path / "step_00000003", None):
+        line = interrupted_line(last)
+        assert "rerun the same command" in line and "SIGTERM" in line and str(last or "no checkpoint") in line
+
+
 def test_rerunning_a_finished_run_says_so(tmp_path, capsys):
     """checkpoint.resume=auto at or past train.steps with hf_final exported: one line naming how to start
     fresh, nothing built (model.hf_dir does not exist). Without hf_final the run starts, to export it."""
