@@ -216,6 +216,24 @@ def test_tensorboard_drops_the_steps_redone_after_a_resume(tmp_path):
     assert [(e.step, e.value) for e in ea.Scalars("train/reward_mean")] == [(1, 1), (2, 2), (3, 3), (4, 40), (5, 50)]
 
 
+def test_the_summary_has_a_headline_and_only_the_curves_the_run_has(tmp_path):
+    """Updates skipped and evaluation off: no empty panels; accuracy and time get theirs; the title names the
+    run and its validation accuracy from first to last."""
+    writer = MetricsWriter(tmp_path / "my-run")
+    writer.write(0, {"val/acc_avg_at_k": 0.25})
+    for step in (1, 2):
+        writer.write(step, {"train/acc_mean": 0.5, "train/reward_mean": 0.1 * step, "timing/step_s": 30.0})
+    writer.write(2, {"val/acc_avg_at_k": 0.75})
+    panels = {title: [tag for tag, _ in curves] for title, curves in writer.summary_panels()}
+    assert panels == {"accuracy": ["val/acc_avg_at_k", "train/acc_mean"], "reward": ["train/reward_mean"],
+                      "seconds per step": ["timing/step_s"]}
+    headline = writer.headline()
+    assert headline.startswith("my-run: 2 steps") and "0.250" in headline and "0.750" in headline, headline
+    assert "1.0 min" in headline, headline
+    assert writer.summary_png() == tmp_path / "my-run" / "summary.png"
+    writer.close()
+
+
 def test_a_writer_that_never_wrote_leaves_no_folder(tmp_path):
     MetricsWriter(tmp_path / "runs" / "failed").close()
     assert not (tmp_path / "runs" / "failed").exists()
