@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    + default("rollout.max_response_len", gpu.rollout.max_response_len))
     p.add_argument("--engine", choices=("embedded", "sglang"), help="default rollout.engine (embedded)")
     p.add_argument("--seed", type=int, help="sampling seed (default train.seed)")
-    p.add_argument("--out", type=Path, help="per-prompt jsonl (default runs/eval/<run>-<step_N|hf_final>.jsonl, or <folder>.jsonl)")
+    p.add_argument("--out", type=Path,
+                   help="per-prompt jsonl (default runs/eval/<run>-<step_N|hf_final>.jsonl, or <folder>.jsonl)")
     p.add_argument("--config", help="YAML config whose data / model / reward / eval settings apply")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.prompt_template=dapo_math")
     return p
@@ -245,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:
         f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in result.prompt_records())
-    summary = {"model": str(args.model), "evaluated": str(evaluated), "data": cfg.data.val_path, "n": cfg.eval.n_samples,
+    summary = {"model": str(args.model), "evaluated": str(evaluated), "data": cfg.data.val_path,
+               "n": cfg.eval.n_samples,
                "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
                "max_response_len": cfg.rollout.max_response_len, **result.summary(),
                "seconds": round(result.seconds, 3), "per_prompt": str(out)}

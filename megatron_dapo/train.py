@@ -73,9 +73,9 @@ def already_trained(cfg: Config) -> str | None:
     exported = not cfg.checkpoint.export_hf or (root / "hf_final" / "config.json").is_file()
     if last is None or step_of(last) < cfg.train.steps or not exported:
         return None
-    return (f"{root} already holds step {step_of(last)} and train.steps={cfg.train.steps}; to start fresh, give the "
-            f"run another logging.run_name (or replace it: checkpoint.resume=none checkpoint.overwrite=true); to "
-            f"continue it, raise train.steps")
+    return (f"{root} already holds step {step_of(last)} and train.steps={cfg.train.steps}; to start fresh, "
+            "give the run another logging.run_name (or replace it: checkpoint.resume=none "
+            "checkpoint.overwrite=true); to continue it, raise train.steps")
 
 
 def start_run(cfg: Config, stop: StopSignals) -> RunState:
@@ -353,9 +353,10 @@ def run_training(cfg: Config) -> int:
 def interrupted_line(last: Path | None) -> str:
     """What Ctrl-C leaves: Ctrl-C does not save the step in flight (SIGTERM does), and how to go on."""
     if last is None:
-        return "no checkpoint yet (Ctrl-C does not save; SIGTERM finishes the step and saves): rerun the same command to start again"
-    return (f"last complete checkpoint: {last} (Ctrl-C does not save the step in flight; SIGTERM does): rerun the same "
-            "command to resume from it")
+        return ("no checkpoint yet (Ctrl-C does not save; SIGTERM finishes the step and saves): rerun the same "
+                "command to start again")
+    return (f"last complete checkpoint: {last} (Ctrl-C does not save the step in flight; SIGTERM does): rerun "
+            "the same command to resume from it")
 
 
 if __name__ == "__main__":

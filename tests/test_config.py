@@ -209,8 +209,8 @@ def test_parallel_layout_against_world_size():
         validate(cfg, world_size=1)
 
 
-@pytest.mark.parametrize("override, suggested", [("steps=3", "train.steps"), ("rollout.steps=3", "train.steps"),
-                                                  ("train.stepz=3", "train.steps")])
+@pytest.mark.parametrize("override, suggested", [
+    ("steps=3", "train.steps"), ("rollout.steps=3", "train.steps"), ("train.stepz=3", "train.steps")])
 def test_an_unknown_key_suggests_where_it_lives(override, suggested):
     with pytest.raises(ConfigError, match=f"did you mean '{suggested}'"):
         load_config(None, [override])

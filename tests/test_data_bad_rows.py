@@ -107,7 +107,8 @@ def test_prompts_all_too_long_name_the_limit_the_length_and_the_template(tmp_pat
     path.write_text("\n".join(json.dumps({"question": "Q" * n, "answer": "#### 1"}) for n in (50, 70)) + "\n")
     cfg = load_config(None, [f"data.train_path={path}", "rollout.max_prompt_len=40", "data.prompt_template=gsm8k",
                                  "reward.answer_fallback=boxed"])
-    longest = len(render_prompt_ids(CharTokenizer(), load_prompts(str(path), prompt_format=_fmt("gsm8k")).prompts[1]))
+    rendered = load_prompts(str(path), prompt_format=_fmt("gsm8k")).prompts
+    longest = len(render_prompt_ids(CharTokenizer(), rendered[1]))
     with pytest.raises(SetupError) as e:
         load_train_prompts(cfg, CharTokenizer(), _fmt("gsm8k"))
     text = str(e.value)

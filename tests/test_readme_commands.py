@@ -174,7 +174,8 @@ def test_the_first_screen_is_what_ci_runs():
 def test_every_source_path_the_readme_names_exists():
     """`megatron_dapo/...`, `examples/...`, `tools/...` in code spans name real files or folders."""
     named = set(re.findall(r"`((?:megatron_dapo|examples|tools)/[\w./-]*)`", README.read_text()))
-    assert named and not [p for p in named if not (REPO / p).exists()], sorted(p for p in named if not (REPO / p).exists())
+    missing = sorted(p for p in named if not (REPO / p).exists())
+    assert named and not missing, missing
 
 
 def test_the_folders_the_readme_puts_your_files_in_are_ignored():

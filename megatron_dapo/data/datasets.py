@@ -45,6 +45,7 @@ ANSWER_TOO_LONG = "answer_too_long"
 _MAX_EXAMPLES = 5
 EXPECTED_FIELDS = ('expected GSM8K {"question": str, "answer": "... #### 72"} or DAPO-Math-17K {"prompt": '
                    '[{"role", "content"}, ...], "reward_model": {"ground_truth": "72"}}')
+_EXPECTED = "; " + EXPECTED_FIELDS
 _MAX_ANSWER_DIGITS = 100  # no benchmark answer is longer; Python refuses int() past 4300 digits
 # Plain or correctly comma-grouped integers with an optional sign; a zero fraction ("12.0") is allowed.
 _INTEGER_RE = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.0+)?")
@@ -85,7 +86,7 @@ class LoadResult:
         if not self.skipped:
             return text
         parts = [
-            f"{r}={n} (e.g. {', '.join(self.examples.get(r, []))}{'; ' + EXPECTED_FIELDS if r == MALFORMED_ROW else ''})"
+            f"{r}={n} (e.g. {', '.join(self.examples.get(r, []))}{_EXPECTED if r == MALFORMED_ROW else ''})"
             for r, n in sorted(self.skipped.items())
         ]
         return f"{text}; skipped {self.num_skipped}: " + "; ".join(parts)

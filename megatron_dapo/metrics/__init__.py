@@ -6,4 +6,5 @@ from megatron_dapo.metrics.events import read_scalars, read_texts
 from megatron_dapo.metrics.timer import PhaseTimer, progress
 from megatron_dapo.metrics.writer import PANELS, PLOTTED, SUMMARY_CURVES, MetricsWriter
 
-__all__ = ["PANELS", "PLOTTED", "SUMMARY_CURVES", "Alarms", "MetricsWriter", "PhaseTimer", "progress", "read_scalars", "read_texts"]
+__all__ = ["PANELS", "PLOTTED",
+           "SUMMARY_CURVES", "Alarms", "MetricsWriter", "PhaseTimer", "progress", "read_scalars", "read_texts"]
