@@ -19,8 +19,8 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["megatron_dapo", "megatron_dapo.*"]),
     install_requires=[
-        # Install torch first: `pip install torch==2.13.0` (a local CPU wheel here) is kept by pip as it
-        # satisfies this range. Tested 2.13.0; megatron-core 0.16 needs >= 2.6.
+        # Install torch first (the README: torch==2.13.0 from PyTorch's CPU index, or a local CPU wheel): pip keeps
+        # it as it satisfies this range. Tested 2.13.0; megatron-core 0.16 needs >= 2.6.
         "torch>=2.6,<2.15",
         # megatron_cpu.py patches 0.16 internals; 0.17+ need Python >= 3.12.
         "megatron-core>=0.16.1,<0.17",
@@ -38,6 +38,7 @@ setup(
         # triton: the kernel tests run the Triton kernels in its CPU interpreter and compile them for
         # sm_80/sm_90; they pass with 3.7.1 (what torch 2.13's CUDA wheel pins), 3.8.0 and 3.9.0; 3.6.0's
         # interpreter fails them (TypeError on numpy 2 arrays).
+        # Running needs none of these (the README's run command installs `.`: torch kernels on CPU).
         # math / wandb: the tests of reward.name=math_verify and logging.wandb (offline) need them, so dev
         # takes them too; neither pulls in another torch (checked with pip install --dry-run here).
         # mypy: .ci/run's type check ([tool.mypy] in pyproject.toml); clean with 2.4.1. A new minor release

@@ -141,6 +141,7 @@ dapo_submit() {
     dapo_config_check $((NODES * TASKS_PER_NODE))
     return $?
   fi
+  command -v sbatch >/dev/null || dapo_die "no sbatch on PATH: LAUNCH=slurm submits through Slurm (run it on a login node), LAUNCH=local runs here"
   if declare -F dapo_presubmit >/dev/null; then dapo_presubmit || return $?; fi
   if ! dapo_plan; then
     dapo_log "the planner refused this layout: not submitted (PLAN=0 skips the planner)"

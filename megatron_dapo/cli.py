@@ -14,6 +14,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 EXIT_USER_ERROR, EXIT_INTERRUPTED = 2, 130
 
@@ -62,13 +63,47 @@ def _env_int(name: str, fallback: str, default: int) -> int:
     return int(os.environ.get(name, os.environ.get(fallback, default)))
 
 
+IMPORT_NOISE = "Transformer Engine and Apex are not installed"
+"""How megatron-core's import-time warnings begin on a machine without TE / apex (eight lines, in every
+process that imports it); the start-up summary says which kernels run instead."""
+_TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def started_as_cli(argv: list[str]) -> bool:
+    """Whether `argv` (the interpreter's own, sys.orig_argv) runs one of our command lines: `python [opts] -m
+    megatron_dapo...` or a script in the repository's tools/. Not a user's script, pytest or `python -c`."""
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "-m" or (arg.startswith("-m") and not arg.startswith("--")):
+            module = arg[2:] or next(args, "")
+            return module.split(".")[0] == "megatron_dapo"
+        if arg in ("-W", "-X"):  # an option with its value in the next argument
+            next(args, None)
+        elif arg == "-c" or arg == "-" or (arg.startswith("-c") and not arg.startswith("--")):
+            return False
+        elif not arg.startswith("-"):
+            return Path(arg).resolve().parent == _TOOLS
+    return False
+
+
+def quiet_imports() -> None:
+    """Silence megatron-core's import-time noise before it is imported (our command lines only: the package
+    calls this when `started_as_cli`), here and in the processes this one starts (spawned workers, the
+    checkpoint writer's Manager): they inherit PYTHONWARNINGS."""
+    for name in ("megatron", "megatron.core"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
+    inherited = f"ignore:{IMPORT_NOISE}"
+    current = os.environ.get("PYTHONWARNINGS", "")
+    if inherited not in current.split(","):
+        os.environ["PYTHONWARNINGS"] = f"{current},{inherited}" if current else inherited
+
+
 def quiet_third_party() -> None:
     """Megatron logs every grad bucket at INFO and warns that apex/TE are absent (expected on CPU) and
     about deprecations; transformers draws progress bars. Keep their errors, drop the rest."""
-    for name in ("megatron", "megatron.core"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_imports()
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
     warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     warnings.filterwarnings("ignore", category=FutureWarning)

@@ -19,7 +19,8 @@ answer_fallback; flags win over the config. Rewards are the verifier's score (no
 
 Output: a progress bar (stderr) that advances as each prompt's k samples finish (the engine streams
 them), with generated tokens per second; one JSON record per prompt in --out (default
-runs/eval/<model>.jsonl), and ONE JSON summary line on stdout. Exit 2 on bad input.
+runs/eval/<run>-<step_N or hf_final>.jsonl for a run's checkpoint or export, runs/eval/<folder>.jsonl for
+another HF folder), and ONE JSON summary line on stdout naming what was evaluated. Exit 2 on bad input.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    + default("rollout.max_response_len", gpu.rollout.max_response_len))
     p.add_argument("--engine", choices=("embedded", "sglang"), help="default rollout.engine (embedded)")
     p.add_argument("--seed", type=int, help="sampling seed (default train.seed)")
-    p.add_argument("--out", type=Path, help="per-prompt jsonl (default runs/eval/<model>.jsonl)")
+    p.add_argument("--out", type=Path,
+                   help="per-prompt jsonl (default runs/eval/<run>-<step_N|hf_final>.jsonl, or <folder>.jsonl)")
     p.add_argument("--config", help="YAML config whose data / model / reward / eval settings apply")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.prompt_template=dapo_math")
     return p
@@ -130,24 +132,38 @@ def is_hf_folder(path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def hf_model(path: Path) -> Iterator[Path]:
-    """`path` itself for an HF folder; a Megatron checkpoint converted to a temporary HF folder."""
+def hf_model(path: Path) -> Iterator[tuple[Path, Path]]:
+    """(HF folder, what it is): `path` itself for an HF folder; a Megatron checkpoint (the newest complete
+    step_<N>/ of a run folder) converted to a temporary HF folder."""
     if is_hf_folder(path):
-        yield path
+        yield path, path
         return
+    from megatron_dapo.actor import convert
+    from megatron_dapo.actor.convert_checks import resolve_checkpoint
+
     if not path.is_dir():
         raise UserError(f"--model {path}: no such folder")
-    from megatron_dapo.actor import convert
-
+    ckpt = resolve_checkpoint(path, flag="--model")
     with tempfile.TemporaryDirectory(prefix="dapo-eval-") as tmp:
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the summary line only
-            cfg = convert.ToHF(load=path, save=Path(tmp) / "hf", quiet=True)
+            cfg = convert.ToHF(load=ckpt, save=Path(tmp) / "hf", quiet=True)
             plan = convert.prepare_to_hf(cfg, PROG)
             print(f"{PROG}: converting the Megatron checkpoint {plan.ckpt} to Hugging Face format")
             code = convert.megatron_to_hf(cfg, plan, PROG)
         if code != 0:
             raise UserError(f"--model {path}: conversion failed")
-        yield plan.out
+        yield plan.out, ckpt
+
+
+def default_out(evaluated: Path) -> Path:
+    """runs/eval/<run>-<what>.jsonl for a run's hf_final or step_<N> (each run and step its own file), else
+    runs/eval/<folder>.jsonl."""
+    from megatron_dapo.actor.checkpoint import step_of
+
+    target = evaluated.resolve()
+    if target.name == "hf_final" or step_of(target) is not None:
+        return Path("runs") / "eval" / f"{target.parent.name}-{target.name}.jsonl"
+    return Path("runs") / "eval" / f"{target.name}.jsonl"
 
 
 @contextlib.contextmanager
@@ -223,13 +239,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     quiet_third_party()
     cfg = resolve_config(args)
-    out = args.out or Path("runs") / "eval" / f"{args.model.resolve().name}.jsonl"
-    with hf_model(args.model) as hf_dir:
+    with hf_model(args.model) as (hf_dir, evaluated):
+        print(f"{PROG}: evaluating {evaluated}", file=sys.stderr)
         result = run(cfg, hf_dir)
+    out = args.out or default_out(evaluated)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:
         f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in result.prompt_records())
-    summary = {"model": str(args.model), "data": cfg.data.val_path, "n": cfg.eval.n_samples,
+    summary = {"model": str(args.model), "evaluated": str(evaluated), "data": cfg.data.val_path,
+               "n": cfg.eval.n_samples,
                "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
                "max_response_len": cfg.rollout.max_response_len, **result.summary(),
                "seconds": round(result.seconds, 3), "per_prompt": str(out)}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import NonFiniteWeightsError
-from megatron_dapo.actor.checkpoint import CheckpointError, latest_checkpoint, step_dir
+from megatron_dapo.actor.checkpoint import CheckpointError, latest_checkpoint, step_dir, step_of
 from megatron_dapo.algo.advantages import group_advantages
 from megatron_dapo.algo.policy_losses import policy_loss_spec
 from megatron_dapo.algo.train_batch import build_train_batch, group_rewards, overlong_weights
@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 def train(cfg: Config) -> dict[str, float]:
     """Run the configured steps (resuming if asked); returns the last step's scalars. On SIGTERM / SIGUSR1
     the step in flight is finished and saved, then Preempted is raised."""
+    if (done := already_trained(cfg)) is not None:
+        print_error("train", done, kind="nothing to train", same_on_all_ranks=True)
+        return {}
     stop = StopSignals().install()
     try:
         run = start_run(cfg, stop)
@@ -59,6 +62,20 @@ def train(cfg: Config) -> dict[str, float]:
     finally:
         stop.restore()
     return out
+
+
+def already_trained(cfg: Config) -> str | None:
+    """One line saying so when checkpoint.resume=auto would resume at or past train.steps with the final
+    policy exported: re-running a finished run, or asking for fewer steps than it has. (Without hf_final, a
+    run stopped after its last save, it starts: to export it.)"""
+    root = Path(cfg.checkpoint.dir) / cfg.logging.run_name
+    last = latest_checkpoint(root) if cfg.checkpoint.resume == "auto" else None
+    exported = not cfg.checkpoint.export_hf or (root / "hf_final" / "config.json").is_file()
+    if last is None or step_of(last) < cfg.train.steps or not exported:
+        return None
+    return (f"{root} already holds step {step_of(last)} and train.steps={cfg.train.steps}; to start fresh, "
+            "give the run another logging.run_name (or replace it: checkpoint.resume=none "
+            "checkpoint.overwrite=true); to continue it, raise train.steps")
 
 
 def start_run(cfg: Config, stop: StopSignals) -> RunState:
@@ -328,11 +345,19 @@ def run_training(cfg: Config) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         last = latest_checkpoint(Path(cfg.checkpoint.dir) / cfg.logging.run_name)
-        print_error("train", f"last complete checkpoint: {last or 'none'}", kind="interrupted (Ctrl-C)",
-                    same_on_all_ranks=True)
+        print_error("train", interrupted_line(last), kind="interrupted (Ctrl-C)", same_on_all_ranks=True)
         return EXIT_INTERRUPTED
     finally:
         parallel.destroy()
+
+
+def interrupted_line(last: Path | None) -> str:
+    """What Ctrl-C leaves: Ctrl-C does not save the step in flight (SIGTERM does), and how to go on."""
+    if last is None:
+        return ("no checkpoint yet (Ctrl-C does not save; SIGTERM finishes the step and saves): rerun the same "
+                "command to start again")
+    return (f"last complete checkpoint: {last} (Ctrl-C does not save the step in flight; SIGTERM does): rerun "
+            "the same command to resume from it")
 
 
 if __name__ == "__main__":

@@ -80,3 +80,38 @@ def test_quiet_third_party():
             logging.getLogger(name).setLevel(level)
         (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
         hf_logging.set_verbosity(verbosity)
+
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("argv, ours", [
+    (["python", "-m", "megatron_dapo.train", "--config", "x.yaml"], True),
+    (["python", "-u", "-W", "ignore", "-m", "megatron_dapo.evaluate"], True),  # torchrun's workers: -u -m
+    (["python", "-mmegatron_dapo.plan"], True),
+    (["python", str(REPO / "tools" / "convert_hf_to_megatron.py"), "--hf-dir", "x"], True),
+    (["python", "-m", "pytest", "-q"], False),
+    (["python", "my_script.py"], False),
+    (["python", "-c", "import megatron_dapo"], False),
+    (["python"], False),
+])
+def test_started_as_cli(argv, ours):
+    from megatron_dapo.cli import started_as_cli
+
+    assert started_as_cli(argv) is ours
+
+
+def test_quiet_imports_reaches_the_processes_started(monkeypatch):
+    """Spawned workers and megatron-core's checkpoint Manager import megatron-core again: the filter goes to
+    them through PYTHONWARNINGS, added once to what the user set."""
+    from megatron_dapo.cli import IMPORT_NOISE, quiet_imports
+
+    monkeypatch.setenv("PYTHONWARNINGS", "error::ResourceWarning")
+    for name in ("megatron", "megatron.core"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
+    with warnings.catch_warnings():
+        quiet_imports()
+        quiet_imports()
+    import os
+
+    assert os.environ["PYTHONWARNINGS"] == f"error::ResourceWarning,ignore:{IMPORT_NOISE}"

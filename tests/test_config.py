@@ -117,7 +117,7 @@ def test_unknown_key_is_named(override, key):
 
 
 def test_unknown_key_suggests_the_near_one():
-    with pytest.raises(ConfigError, match="did you mean 'eps_high'"):
+    with pytest.raises(ConfigError, match="did you mean 'algo.eps_high'"):
         load_config(None, ["algo.eps_hgh=0.3"])
 
 
@@ -205,6 +205,15 @@ def test_parallel_layout_against_world_size():
         validate(cfg, world_size=6)
     with pytest.raises(ConfigError, match="DP=2"):
         validate(cfg, world_size=8)
+    with pytest.raises(ConfigError, match="torchrun --nproc_per_node 4"):  # one process: how to start four
+        validate(cfg, world_size=1)
+
+
+@pytest.mark.parametrize("override, suggested", [
+    ("steps=3", "train.steps"), ("rollout.steps=3", "train.steps"), ("train.stepz=3", "train.steps")])
+def test_an_unknown_key_suggests_where_it_lives(override, suggested):
+    with pytest.raises(ConfigError, match=f"did you mean '{suggested}'"):
+        load_config(None, [override])
 
 
 def test_soft_punishment_off_skips_its_check():

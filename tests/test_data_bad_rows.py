@@ -88,3 +88,53 @@ def test_the_trainer_applies_rollout_max_prompt_len(tmp_path: Path):
     train = load_train_prompts(cfg, tok)
     assert [p.uid for p in train.prompts] == ["gsm8k/0", "gsm8k/2"]
     assert [p.uid for p in load_val_prompts(cfg, tok)] == ["gsm8k/0", "gsm8k/2"]
+
+
+def test_malformed_rows_name_the_fields_expected(tmp_path: Path):
+    rows = [{"prompt": "q0", "reward_model": {"ground_truth": "1"}}, {"prompt": "q1", "reward_model": "1"}]
+    path = tmp_path / "dapo.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    summary = load_prompts(str(path)).summary()
+    assert "malformed_row=1" in summary and "ground_truth" in summary and '"question"' in summary, summary
+
+
+def test_prompts_all_too_long_name_the_limit_the_length_and_the_template(tmp_path: Path):
+    import pytest
+
+    from megatron_dapo.config import load_config
+    from megatron_dapo.loop.preflight import SetupError
+    from megatron_dapo.loop.prompts import load_train_prompts
+
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("\n".join(json.dumps({"question": "Q" * n, "answer": "#### 1"}) for n in (50, 70)) + "\n")
+    cfg = load_config(None, [f"data.train_path={path}", "rollout.max_prompt_len=40", "data.prompt_template=gsm8k",
+                                 "reward.answer_fallback=boxed"])
+    rendered = load_prompts(str(path), prompt_format=_fmt("gsm8k")).prompts
+    longest = len(render_prompt_ids(CharTokenizer(), rendered[1]))
+    with pytest.raises(SetupError) as e:
+        load_train_prompts(cfg, CharTokenizer(), _fmt("gsm8k"))
+    text = str(e.value)
+    for named in ("rollout.max_prompt_len=40", f"{longest} tokens", "data.prompt_template=gsm8k",
+                  "data.prompt_template=raw"):
+        assert named in text, (named, text)
+
+
+def test_a_dataset_smaller_than_one_batch_is_said(tmp_path: Path, caplog):
+    from megatron_dapo.config import load_config
+    from megatron_dapo.loop.prompts import load_train_prompts
+
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_bytes(b"\n".join(_gsm8k_lines(3)) + b"\n")
+    for batch, warned in ((4, True), (3, False)):
+        caplog.clear()
+        cfg = load_config(None, [f"data.train_path={path}", f"train.prompt_batch_size={batch}",
+                                 "train.mini_batch_size=1"])
+        load_train_prompts(cfg, CharTokenizer())
+        said = [r.getMessage() for r in caplog.records if "train.prompt_batch_size" in r.getMessage()]
+        assert bool(said) == warned and (not said or "3 usable prompts" in said[0]), said
+
+
+def _fmt(template):
+    from megatron_dapo.data import PromptFormat
+
+    return PromptFormat(template)

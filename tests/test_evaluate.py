@@ -137,6 +137,8 @@ def test_cli_on_a_megatron_checkpoint_equals_its_hf_export(trained, tmp_path, py
     metrics = [k for k in from_hf if k.startswith(("avg@", "pass@", "maj@", "response_length"))]
     assert {k: from_ckpt[k] for k in metrics} == {k: from_hf[k] for k in metrics}
     assert rows_ckpt == rows_hf
+    newest = max(p for p in run.glob("step_*") if (p / "COMPLETE").is_file())
+    assert Path(from_ckpt["evaluated"]) == newest and Path(from_hf["evaluated"]) == run / "hf_final"
 
 
 def test_samples_are_written_for_people_to_read(trained):
@@ -226,6 +228,27 @@ def test_cpu_defaults_apply_where_nothing_sizes_the_evaluation():
     help_text = " ".join(build_parser().format_help().split())
     assert "else 4 on CPU, 32 on GPU" in help_text and "else 256 on CPU, 20480 on GPU" in help_text
     assert "else 32 on CPU, all on GPU" in help_text
+
+
+def test_default_out_names_the_run_and_the_step(tmp_path):
+    """Each run's hf_final, and each step, its own file: they no longer overwrite each other."""
+    from megatron_dapo.evaluate import default_out
+
+    run = tmp_path / "checkpoints" / "tiny_cpu"
+    assert default_out(run / "hf_final") == Path("runs/eval/tiny_cpu-hf_final.jsonl")
+    assert default_out(run / "step_00000040") == Path("runs/eval/tiny_cpu-step_00000040.jsonl")
+    assert default_out(tmp_path / "other" / "hf_final") == Path("runs/eval/other-hf_final.jsonl")
+    assert default_out(tmp_path / "checkpoints" / "tiny_base") == Path("runs/eval/tiny_base.jsonl")
+
+
+def test_model_errors_name_the_model_flag(tmp_path):
+    from megatron_dapo.cli import UserError
+    from megatron_dapo.evaluate import hf_model
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError) as e, hf_model(tmp_path / "empty"):
+        pass
+    assert str(e.value).startswith("--model ") and "--load" not in str(e.value), e.value
 
 
 def test_cli_bad_input_is_one_line(tmp_path, python_env_module):

@@ -171,6 +171,20 @@ def test_the_first_screen_is_what_ci_runs():
         assert got == first.strip(), (marker, got)
 
 
+def test_every_source_path_the_readme_names_exists():
+    """`megatron_dapo/...`, `examples/...`, `tools/...` in code spans name real files or folders."""
+    named = set(re.findall(r"`((?:megatron_dapo|examples|tools)/[\w./-]*)`", README.read_text()))
+    missing = sorted(p for p in named if not (REPO / p).exists())
+    assert named and not missing, missing
+
+
+def test_the_folders_the_readme_puts_your_files_in_are_ignored():
+    """The README's data/train.jsonl and models/my-model stay out of `git status`."""
+    for path in ("data/train.jsonl", "models/my-model/config.json", "runs/x/summary.png"):
+        r = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=REPO, timeout=30)
+        assert r.returncode == 0, f"{path} is not git-ignored"
+
+
 # ------------------------------------------------------------------------------------------ the links
 
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)|<img\s[^>]*src=\"([^\"]+)\"")

@@ -181,6 +181,7 @@ def test_ctrl_c_exits_130_with_one_line_and_keeps_the_last_checkpoint(base_dir, 
 
     newest, skipped = newest_verified(folder)
     assert newest is not None and not skipped and newest.name in line, (line, skipped)
+    assert "rerun the same command" in line and "SIGTERM" in line, line  # how to resume; what would have saved
 
 
 # ----------------------------------------------------------------------- bad input at start

@@ -38,6 +38,17 @@ def test_lock_is_exclusive_and_released(tmp_path):
     RunLock.acquire(tmp_path).release()
 
 
+def test_a_folder_left_empty_goes_with_the_lock(tmp_path):
+    """A run that fails before its first checkpoint leaves no empty checkpoints/<run>/ behind."""
+    empty, kept = tmp_path / "ckpt" / "failed", tmp_path / "ckpt" / "saved"
+    RunLock.acquire(empty).release()
+    assert not empty.exists() and (tmp_path / "ckpt").is_dir()
+    lock = RunLock.acquire(kept)
+    (kept / "step_00000001").mkdir()
+    lock.release()
+    assert (kept / "step_00000001").is_dir() and not (kept / ".lock").exists()
+
+
 def test_a_live_holder_on_this_host_keeps_the_lock(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

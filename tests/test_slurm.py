@@ -149,6 +149,14 @@ def test_tiny_runs_locally_by_default_and_passes_status():
     assert r.returncode == 2 and "eps_high" in r.stderr
 
 
+def test_slurm_launch_without_slurm_is_our_one_line(tmp_path):
+    """No sbatch on PATH: our error first (no raw `sbatch: command not found`), nothing built or submitted."""
+    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "sbatch").exists())
+    r = bash("examples/run_dapo_tiny.sh", env=script_env(LAUNCH="slurm", PATH=path, LOG_DIR=str(tmp_path)))
+    assert r.returncode == 2 and r.stderr.splitlines()[0].startswith("[launch] error: no sbatch"), r.stderr
+    assert "LAUNCH=local" in r.stderr and "command not found" not in r.stderr
+
+
 def test_both_launchers_ask_for_the_preemption_signal():
     for script in ("examples/run_dapo_tiny.sh", "examples/run_dapo_32b.sh"):
         assert re.search(r"^#SBATCH --signal=B:USR1@\d+$", (REPO / script).read_text(), re.M), script

@@ -80,13 +80,71 @@ def test_dry_run_and_config_errors(python_env):
     r = subprocess.run([sys.executable, "-m", "megatron_dapo.train", "--config", cfg, "algo.eps_hgh=1"],
                        capture_output=True, text=True, env=python_env, timeout=120)
     assert r.returncode == 2 and "algo.eps_hgh" in r.stderr and "Traceback" not in r.stderr
+    # the error is the first line: megatron-core's import-time warnings stay out of our command lines
+    assert r.stderr.splitlines()[0].startswith("config error:") and "algo.eps_high" in r.stderr.splitlines()[0], \
+        r.stderr
 
 
 def test_missing_base_model_is_a_clear_error(tmp_path, python_env):
     r = subprocess.run([sys.executable, "-m", "megatron_dapo.train", "--config",
                         str(REPO / "examples/configs/tiny_cpu.yaml"), f"model.hf_dir={tmp_path / 'nope'}"],
                        capture_output=True, text=True, env=python_env, timeout=300)
-    assert r.returncode != 0 and "make_tiny_base" in r.stderr
+    assert r.returncode == 2 and str((tmp_path / "nope").resolve()) in r.stderr, r.stderr
+    assert "make_tiny_base" not in r.stderr  # only the tiny base can be built for you
+
+
+def test_missing_model_folder_names_its_absolute_path(tmp_path, monkeypatch):
+    from megatron_dapo.loop.preflight import SetupError, check_model
+
+    monkeypatch.chdir(tmp_path)
+    for name, tiny in (("models/my-model", False), ("checkpoints/tiny_base", True)):
+        with pytest.raises(SetupError) as e:
+            check_model(name)
+        assert str(tmp_path / name) in str(e.value) and ("make_tiny_base" in str(e.value)) == tiny, e.value
+
+
+def test_ctrl_c_says_how_to_resume_and_what_saves(tmp_path):
+    from megatron_dapo.train import interrupted_line
+
+    for last in (tmp_path / "step_00000003", None):
+        line = interrupted_line(last)
+        assert "rerun the same command" in line and "SIGTERM" in line and str(last or "no checkpoint") in line
+
+
+def test_rerunning_a_finished_run_says_so(tmp_path, capsys):
+    """checkpoint.resume=auto at or past train.steps with hf_final exported: one line naming how to start
+    fresh, nothing built (model.hf_dir does not exist). Without hf_final the run starts, to export it."""
+    from megatron_dapo.actor.checkpoint import step_dir
+    from megatron_dapo.config import load_config
+    from megatron_dapo.loop.preflight import SetupError
+    from megatron_dapo.train import train
+
+    root = tmp_path / "ckpt" / "done"
+    (step_dir(root, 40)).mkdir(parents=True)
+    (step_dir(root, 40) / "COMPLETE").touch()
+    def cfg(steps):
+        return load_config(None, [f"checkpoint.dir={tmp_path / 'ckpt'}", "logging.run_name=done", f"train.steps={steps}",
+                                  f"model.hf_dir={tmp_path / 'no_model'}", f"logging.tensorboard_dir={tmp_path / 'runs'}"])
+    from megatron_dapo import parallel
+
+    with pytest.raises(SetupError):  # hf_final missing: it starts (and fails on the missing model here)
+        try:
+            train(cfg(10))
+        finally:
+            parallel.destroy()
+    (root / "hf_final").mkdir()
+    (root / "hf_final" / "config.json").write_text("{}")
+    capsys.readouterr()
+    for steps in (40, 10):
+        assert train(cfg(steps)) == {}
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "step 40" in err and f"train.steps={steps}" in err, err
+        assert "logging.run_name" in err and "checkpoint.resume=none" in err, err
+    with pytest.raises(SetupError):  # more steps: it continues
+        try:
+            train(cfg(41))
+        finally:
+            parallel.destroy()
 
 
 @pytest.mark.slow
@@ -138,6 +196,48 @@ def test_summary_after_a_resume_covers_the_whole_run(tmp_path):
     assert "actor/grad_norm" not in resumed.history  # only the plotted curves are read back
     assert resumed.summary_png() == tmp_path / "summary.png" and (tmp_path / "summary.png").is_file()
     resumed.close()
+
+
+def test_tensorboard_drops_the_steps_redone_after_a_resume(tmp_path):
+    """The resumed writer's purge_step: TensorBoard shows each redone step once, with the redone value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsWriter(tmp_path)
+    for step in range(1, 6):
+        first.write(step, {"train/reward_mean": float(step)})
+    first.close()  # killed after step 5; its checkpoint is step 3
+    resumed = MetricsWriter(tmp_path)
+    resumed.load_history(until_step=3)
+    for step in (4, 5):
+        resumed.write(step, {"train/reward_mean": 10.0 * step})
+    resumed.close()
+    ea = EventAccumulator(str(tmp_path))
+    ea.Reload()
+    shown = [(e.step, e.value) for e in ea.Scalars("train/reward_mean")]
+    assert shown == [(1, 1), (2, 2), (3, 3), (4, 40), (5, 50)]
+
+
+def test_the_summary_has_a_headline_and_only_the_curves_the_run_has(tmp_path):
+    """Updates skipped and evaluation off: no empty panels; accuracy and time get theirs; the title names the
+    run and its validation accuracy from first to last."""
+    writer = MetricsWriter(tmp_path / "my-run")
+    writer.write(0, {"val/acc_avg_at_k": 0.25})
+    for step in (1, 2):
+        writer.write(step, {"train/acc_mean": 0.5, "train/reward_mean": 0.1 * step, "timing/step_s": 30.0})
+    writer.write(2, {"val/acc_avg_at_k": 0.75})
+    panels = {title: [tag for tag, _ in curves] for title, curves in writer.summary_panels()}
+    assert panels == {"accuracy": ["val/acc_avg_at_k", "train/acc_mean"], "reward": ["train/reward_mean"],
+                      "seconds per step": ["timing/step_s"]}
+    headline = writer.headline()
+    assert headline.startswith("my-run: 2 steps") and "0.250" in headline and "0.750" in headline, headline
+    assert "1.0 min" in headline, headline
+    assert writer.summary_png() == tmp_path / "my-run" / "summary.png"
+    writer.close()
+
+
+def test_a_writer_that_never_wrote_leaves_no_folder(tmp_path):
+    MetricsWriter(tmp_path / "runs" / "failed").close()
+    assert not (tmp_path / "runs" / "failed").exists()
 
 
 def test_sample_texts_read_back_per_split_and_step(tmp_path):

@@ -148,22 +148,22 @@ def spec_difference(a: ModelSpec, b: ModelSpec) -> list[str]:
 # --- Megatron side: which checkpoint, and which config describes it ---------------------------------
 
 
-def resolve_checkpoint(load: Path) -> Path:
-    """A complete checkpoint folder, or the latest complete step_<N>/ under `load`."""
+def resolve_checkpoint(load: Path, flag: str = "--load") -> Path:
+    """A complete checkpoint folder, or the latest complete step_<N>/ under `load` (given as `flag`)."""
     from megatron_dapo.actor.checkpoint import latest_checkpoint
 
     if not load.is_dir():
-        raise UserError(f"--load {load}: no such folder")
+        raise UserError(f"{flag} {load}: no such folder")
     if (load / "COMPLETE").is_file():
         return load
     if (load / "metadata.json").is_file():
-        raise UserError(f"--load {load}: incomplete checkpoint (no COMPLETE marker): an interrupted save?")
+        raise UserError(f"{flag} {load}: incomplete checkpoint (no COMPLETE marker): an interrupted save?")
     if (load / "config.json").is_file() and any(load.glob("*.safetensors*")):
-        raise UserError(f"--load {load} is a Hugging Face folder, not a Megatron checkpoint "
+        raise UserError(f"{flag} {load} is a Hugging Face folder, not a Megatron checkpoint "
                         "(use convert_hf_to_megatron.py for that direction)")
     latest = latest_checkpoint(load)
     if latest is None:
-        raise UserError(f"--load {load}: neither a checkpoint (no COMPLETE marker) nor a folder of "
+        raise UserError(f"{flag} {load}: neither a checkpoint (no COMPLETE marker) nor a folder of "
                         "complete step_<N>/ checkpoints")
     return latest
 

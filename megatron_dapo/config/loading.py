@@ -109,9 +109,22 @@ def _field_types(obj: Any) -> dict[str, Any]:
 
 
 def _unknown(key: str, name: str, known: list[str]) -> ConfigError:
-    hint = difflib.get_close_matches(name, known, n=1)
-    near = f" (did you mean {hint[0]!r}?)" if hint else ""
+    section = key[: len(key) - len(name)]
+    hint = _keys_named(Config(), name)[:3] or [section + k for k in difflib.get_close_matches(name, known, n=1)]
+    near = f" (did you mean {' or '.join(map(repr, hint))}?)" if hint else ""
     return ConfigError(f"unknown config key {key!r}{near}; valid here: {sorted(known)}")
+
+
+def _keys_named(cfg: Any, name: str, prefix: str = "") -> list[str]:
+    """The dotted keys of the tree under `cfg` whose last part is `name` (`steps` -> `train.steps`)."""
+    found = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name == name:
+            found.append(f"{prefix}{f.name}")
+        if dataclasses.is_dataclass(value):
+            found += _keys_named(value, name, f"{prefix}{f.name}.")
+    return found
 
 
 def apply_delta(cfg: Any, delta: dict[str, Any], prefix: str = "") -> None:

@@ -156,7 +156,9 @@ def _prompt_problems(cfg: Config) -> list[str]:
 def _layout_problems(cfg: Config, world_size: int) -> list[str]:
     tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
     if world_size % (tp * pp):
-        return [f"TP({tp}) x PP({pp}) = {tp * pp} does not divide world size {world_size}"]
+        start = (f": start {tp * pp} processes, e.g. torchrun --nproc_per_node {tp * pp} -m megatron_dapo.train ..."
+                 if world_size == 1 else "")
+        return [f"TP({tp}) x PP({pp}) = {tp * pp} does not divide world size {world_size}{start}"]
     dp = data_parallel_size(cfg, world_size)
     ep = cfg.parallel.expert_parallel
     if ep > 0 and dp % ep:

@@ -43,6 +43,9 @@ PROMPT_TOO_MANY_TOKENS = "prompt_too_many_tokens"
 ANSWER_TOO_LONG = "answer_too_long"
 
 _MAX_EXAMPLES = 5
+EXPECTED_FIELDS = ('expected GSM8K {"question": str, "answer": "... #### 72"} or DAPO-Math-17K {"prompt": '
+                   '[{"role", "content"}, ...], "reward_model": {"ground_truth": "72"}}')
+_EXPECTED = "; " + EXPECTED_FIELDS
 _MAX_ANSWER_DIGITS = 100  # no benchmark answer is longer; Python refuses int() past 4300 digits
 # Plain or correctly comma-grouped integers with an optional sign; a zero fraction ("12.0") is allowed.
 _INTEGER_RE = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.0+)?")
@@ -64,6 +67,8 @@ class LoadResult:
     """reason -> number of rows skipped for it."""
     examples: dict[str, list[str]] = field(default_factory=dict)
     """reason -> the first few skipped rows (uids, or "line N" where no uid exists)."""
+    longest_tokens: int = 0
+    """The rendered length of the longest prompt skipped as PROMPT_TOO_MANY_TOKENS."""
 
     @property
     def num_skipped(self) -> int:
@@ -81,7 +86,8 @@ class LoadResult:
         if not self.skipped:
             return text
         parts = [
-            f"{r}={n} (e.g. {', '.join(self.examples.get(r, []))})" for r, n in sorted(self.skipped.items())
+            f"{r}={n} (e.g. {', '.join(self.examples.get(r, []))}{_EXPECTED if r == MALFORMED_ROW else ''})"
+            for r, n in sorted(self.skipped.items())
         ]
         return f"{text}; skipped {self.num_skipped}: " + "; ".join(parts)
 
@@ -247,8 +253,9 @@ def _keep(result: LoadResult, prompt: Prompt, limits: _Limits, fmt: PromptFormat
         return
     if limits.max_chars is not None and sum(len(m["content"]) for m in prompt.messages) > limits.max_chars:
         result.add_skip(PROMPT_TOO_LONG, prompt.uid)
-    elif limits.max_tokens is not None and limits.count_tokens(prompt) > limits.max_tokens:
+    elif limits.max_tokens is not None and (tokens := limits.count_tokens(prompt)) > limits.max_tokens:
         result.add_skip(PROMPT_TOO_MANY_TOKENS, prompt.uid)
+        result.longest_tokens = max(result.longest_tokens, tokens)
     else:
         result.prompts.append(prompt)
 

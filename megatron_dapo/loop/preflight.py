@@ -31,8 +31,10 @@ def check_model(hf_dir: str | None) -> Any:
 
     config = Path(hf_dir or "") / "config.json"
     if not hf_dir or not config.is_file():
-        raise SetupError(f"model.hf_dir={hf_dir!r} has no config.json (for the tiny CPU run, build it with "
-                         "`python tools/make_tiny_base.py --out checkpoints/tiny_base`)")
+        tiny = Path(hf_dir or "").name == "tiny_base"  # the only model we can build for you
+        raise SetupError(f"model.hf_dir={hf_dir!r} ({Path(hf_dir or '.').resolve()}) has no config.json" + (
+            " (build the tiny base with `python tools/make_tiny_base.py --out checkpoints/tiny_base`)" if tiny else
+            ": point it at a Hugging Face folder (config.json, *.safetensors, tokenizer files)"))
     try:
         json.loads(config.read_text())
     except (ValueError, OSError) as e:

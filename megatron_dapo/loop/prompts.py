@@ -8,7 +8,7 @@ from typing import Any
 
 from megatron_dapo.config import Config
 from megatron_dapo.data import PromptFormat, load_prompts
-from megatron_dapo.data.datasets import LoadResult
+from megatron_dapo.data.datasets import PROMPT_TOO_MANY_TOKENS, LoadResult
 from megatron_dapo.data.render import render_prompt_ids
 from megatron_dapo.loop.preflight import SetupError
 from megatron_dapo.loop.startup import StartupReport
@@ -28,6 +28,17 @@ def _load(path: str, cfg: Config, tokenizer: Any, fmt: PromptFormat | None, **kw
         raise SetupError(str(e)) from e
 
 
+def _summary(loaded: LoadResult, cfg: Config) -> str:
+    """The loader's summary; where prompts rendered too long, the setting and template that decide it."""
+    text = loaded.summary()
+    if PROMPT_TOO_MANY_TOKENS in loaded.skipped:
+        text += (f"; the longest rendered prompt has {loaded.longest_tokens} tokens with data.prompt_template="
+                 f"{cfg.data.prompt_template} and model.chat_template={cfg.model.chat_template}, over "
+                 f"rollout.max_prompt_len={cfg.rollout.max_prompt_len}: raise rollout.max_prompt_len or use a "
+                 "shorter template (data.prompt_template=raw for a tiny character-level model)")
+    return text
+
+
 def _note(report: StartupReport | None, line: str) -> None:
     if report is not None:
         report.data.append(line)
@@ -38,9 +49,13 @@ def _note(report: StartupReport | None, line: str) -> None:
 def load_train_prompts(cfg: Config, tokenizer: Any, fmt: PromptFormat | None = None,
                        report: StartupReport | None = None) -> LoadResult:
     loaded = _load(cfg.data.train_path, cfg, tokenizer, fmt)
-    _note(report, f"training prompts: {loaded.summary()}")
+    _note(report, f"training prompts: {_summary(loaded, cfg)}")
     if not loaded.prompts:
-        raise SetupError(f"data.train_path={cfg.data.train_path!r}: no usable prompt ({loaded.summary()})")
+        raise SetupError(f"data.train_path={cfg.data.train_path!r}: no usable prompt ({_summary(loaded, cfg)})")
+    if len(loaded.prompts) < cfg.train.prompt_batch_size:
+        log.warning("data.train_path=%s: %d usable prompts, fewer than train.prompt_batch_size=%d: every step "
+                    "repeats prompts; add prompts or lower train.prompt_batch_size (and train.mini_batch_size)",
+                    cfg.data.train_path, len(loaded.prompts), cfg.train.prompt_batch_size)
     return loaded
 
 
@@ -50,5 +65,5 @@ def load_val_prompts(cfg: Config, tokenizer: Any, fmt: PromptFormat | None = Non
         _note(report, "validation prompts: none (data.val_path unset)")
         return []
     loaded = _load(cfg.data.val_path, cfg, tokenizer, fmt, limit=cfg.eval.max_prompts)
-    _note(report, f"validation prompts: {loaded.summary()}")
+    _note(report, f"validation prompts: {_summary(loaded, cfg)}")
     return loaded.prompts

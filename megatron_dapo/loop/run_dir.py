@@ -56,6 +56,7 @@ class RunLock:
     @classmethod
     def acquire(cls, folder: Path) -> RunLock:
         path = folder / LOCK
+        folder.mkdir(parents=True, exist_ok=True)  # (and release() removes it if nothing else came in)
         me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _pid_start(os.getpid()),
               "slurm_job": os.environ.get("SLURM_JOB_ID"), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         for _ in range(3):
@@ -86,10 +87,12 @@ class RunLock:
                 return
 
     def release(self) -> None:
+        """Drop the lock; a folder left empty (a run that failed before its first checkpoint) goes too."""
         self._stop.set()
         try:
             if json.loads(self.path.read_text()).get("pid") == os.getpid():
                 self.path.unlink()
+                self.path.parent.rmdir()  # only when empty
         except (OSError, ValueError):
             pass
 

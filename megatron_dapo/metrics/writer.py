@@ -11,9 +11,19 @@ from typing import Any
 from megatron_dapo.config import WandbConfig
 from megatron_dapo.metrics.events import read_scalars
 
+PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("accuracy", ("val/acc_avg_at_k", "train/acc_mean")),
+    ("reward", ("train/reward_mean",)),
+    ("response length (tokens)", ("response_length/mean",)),
+    ("entropy", ("actor/entropy",)),
+    ("mean token probability", ("actor/mean_token_prob",)),
+    ("kept group fraction (dynamic sampling)", ("rollout/kept_group_frac",)),
+    ("seconds per step", ("timing/step_s",)),
+)
+"""The summary's panels (the paper's §4.3 dynamics, accuracy and time): a title and the tags drawn in it."""
 SUMMARY_CURVES = ("response_length/mean", "train/reward_mean", "actor/entropy", "actor/mean_token_prob",
                   "val/acc_avg_at_k")
-PLOTTED = SUMMARY_CURVES + ("rollout/kept_group_frac",)
+PLOTTED = tuple(tag for _, tags in PANELS for tag in tags)
 
 
 class MetricsWriter:
@@ -27,26 +37,32 @@ class MetricsWriter:
         self.history: dict[str, dict[int, float]] = defaultdict(dict)
         """tag -> step -> value (a replayed step overwrites)."""
         self._writer = None
+        """The TensorBoard writer, opened at the first write: a run that dies while starting leaves no folder."""
+        self._purge_step: int | None = None
         self._wandb = None
         self._sample_steps: set[int] = set()
-        if enabled:
+        if enabled and wandb is not None and wandb.enabled:
+            from megatron_dapo.wandb_mirror import WandbMirror
+
+            self._wandb = WandbMirror(wandb, self.logdir, self.logdir.name, run_config or {})
+
+    def _tensorboard(self) -> Any:
+        if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
             self.logdir.mkdir(parents=True, exist_ok=True)
-            self._writer = SummaryWriter(str(self.logdir))
-            if wandb is not None and wandb.enabled:
-                from megatron_dapo.wandb_mirror import WandbMirror
-
-                self._wandb = WandbMirror(wandb, self.logdir, self.logdir.name, run_config or {})
+            self._writer = SummaryWriter(str(self.logdir), purge_step=self._purge_step)
+        return self._writer
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         if not self.enabled:
             return
+        tb = self._tensorboard()
         for tag, value in scalars.items():
             value = float(value)
-            self._writer.add_scalar(tag, value, step)
+            tb.add_scalar(tag, value, step)
             self.history[tag][step] = value
-        self._writer.flush()
+        tb.flush()
         if self._wandb is not None:
             self._wandb.log(step, {tag: float(v) for tag, v in scalars.items()})
 
@@ -65,7 +81,7 @@ class MetricsWriter:
             f"**prompt** ({r['uid']}, truth {r['ground_truth']}):\n```\n{r['prompt']}\n```\n"
             f"**response** (reward {r['reward']:.3f}, acc {int(r['acc'])}, {r['length']} tokens):\n"
             f"```\n{r['response']}\n```" for r in records[:text_count])
-        self._writer.add_text(f"samples/{split}", text, step)
+        self._tensorboard().add_text(f"samples/{split}", text, step)
         self._writer.flush()
         if self._wandb is not None:
             self._wandb.log_samples(step, split, records)
@@ -73,34 +89,65 @@ class MetricsWriter:
 
     def load_history(self, until_step: int) -> None:
         """After a resume: take the plotted curves up to `until_step` from the run's earlier event files,
-        so the summary covers the whole run, not only the steps since the resume."""
+        so the summary covers the whole run, not only the steps since the resume; TensorBoard is told to
+        drop what the earlier run wrote after `until_step` (its purge_step), so a redone step shows once."""
         if not self.enabled:
             return
+        if self._writer is not None:  # (written before the resume: reopened with the purge)
+            self._writer.close()
+            self._writer = None
+        self._purge_step = until_step + 1
         for tag, points in read_scalars(self.logdir, PLOTTED).items():
             self.history[tag].update({step: v for step, v in points.items() if step <= until_step})
 
     def summary_png(self, path: str | Path | None = None) -> Path | None:
-        """A 2x3 grid of the dynamics the paper monitors (§4.3), next to the event files."""
-        if not self.enabled or not self.history:
+        """The run on one picture, next to the event files: its name and headline in the title, then a panel
+        per curve it has (the paper's §4.3 dynamics, accuracy, seconds per step); absent ones are left out."""
+        panels = self.summary_panels()
+        if not self.enabled or not panels:
             return None
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(2, 3, figsize=(13, 7))
-        for ax, tag in zip(axes.flat, PLOTTED):
-            points = sorted(self.history.get(tag, {}).items())
-            if points:
-                ax.plot(*zip(*points), marker="." if len(points) < 50 else None)
-            ax.set_title(tag)
+        cols = min(3, len(panels))
+        rows = -(-len(panels) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.3 * rows + 0.6), squeeze=False)
+        for ax, (title, curves) in zip(axes.flat, panels):
+            for tag, points in curves:
+                ax.plot(*zip(*points), marker="." if len(points) < 50 else None, label=tag)
+            if len(curves) > 1:
+                ax.legend(fontsize=8)
+            ax.set_title(title)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.set_visible(False)
+        fig.suptitle(self.headline(), fontsize=12)
         fig.tight_layout()
         out = Path(path) if path else self.logdir / "summary.png"
+        out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=90)
         plt.close(fig)
         return out
+
+    def summary_panels(self) -> list[tuple[str, list[tuple[str, list[tuple[int, float]]]]]]:
+        """(title, [(tag, sorted points)]) of each PANELS entry with at least one curve written."""
+        panels = [(title, [(tag, sorted(self.history[tag].items())) for tag in tags if self.history.get(tag)])
+                  for title, tags in PANELS]
+        return [(title, curves) for title, curves in panels if curves]
+
+    def headline(self) -> str:
+        """`<run>: N steps, validation accuracy a -> b, T min of steps`: what the picture is about."""
+        steps = max((step for points in self.history.values() for step in points), default=0)
+        parts = [f"{self.logdir.name}: {steps} steps"]
+        if val := sorted(self.history.get("val/acc_avg_at_k", {}).items()):
+            parts.append(f"validation accuracy {val[0][1]:.3f} (step {val[0][0]}) -> {val[-1][1]:.3f} "
+                         f"(step {val[-1][0]})")
+        if seconds := sum(self.history.get("timing/step_s", {}).values()):
+            parts.append(f"{seconds / 60:.1f} min of steps")
+        return ", ".join(parts)
 
     def close(self) -> None:
         if self._writer is not None:
