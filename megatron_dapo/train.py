@@ -23,6 +23,7 @@ from megatron_dapo.algo.policy_losses import policy_loss_spec
 from megatron_dapo.algo.train_batch import build_train_batch, group_rewards, overlong_weights
 from megatron_dapo.cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError, print_error, quiet_third_party
 from megatron_dapo.config import Config, ConfigError, build_parser, load_config, to_yaml, validate
+from megatron_dapo.heartbeat import DriverHungError
 from megatron_dapo.loop import distribute, monitors
 from megatron_dapo.loop.build import build_run
 from megatron_dapo.loop.evaluation import validate as run_validation
@@ -118,6 +119,7 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     """One DAPO step: rollout -> rewards -> dynamic sampling -> advantages -> pi_old -> updates -> sync."""
     cfg, timer, t_step = run.cfg, run.timer, time.perf_counter()
     run.phases.generate()
+    parallel.driver_phase(f"rollout of step {step}")
     with timer("rollout"):  # generation and reward scoring, round by round or group by group
         rollout = next_rollout(run, step) if run.is_driver else None
         parallel.join_driver("rollout")  # the other ranks wait host-side, however long the rollout takes
@@ -235,6 +237,7 @@ def validate_policy(run: RunState, step: int) -> dict[str, float]:
     weights after `step` (val/policy_version says so with off-policy pipelining)."""
     settle_engine(run, step)
     run.phases.generate()
+    parallel.driver_phase(f"evaluation after step {step}")
     with rollout_logits_checked(run, after_step=step):
         result = run_validation(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids, run.scorer) \
             if run.is_driver else None
@@ -311,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_training(cfg: Config) -> int:
     """train(cfg), every way it can end turned into one line on stderr and an exit code: 0 done;
-    2 bad input (model, data, run folder); 1 the run failed (non-finite weights, a bad checkpoint);
+    2 bad input (model, data, run folder); 1 the run failed (non-finite weights, a bad checkpoint, a hung driver);
     128 + signal after a preemption checkpoint; 130 on Ctrl-C (the last complete checkpoint intact)."""
     try:
         train(cfg)
@@ -319,7 +322,7 @@ def run_training(cfg: Config) -> int:
     except UserError as e:
         print_error("train", e)
         return EXIT_USER_ERROR
-    except (NonFiniteWeightsError, CheckpointError, WeightSyncError) as e:
+    except (NonFiniteWeightsError, CheckpointError, WeightSyncError, DriverHungError) as e:
         print_error("train", e)
         return 1
     except Preempted as e:

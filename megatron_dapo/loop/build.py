@@ -67,6 +67,7 @@ def build_run(cfg: Config) -> RunState:
         start, notes = run_dir.claim(folder, cfg.checkpoint.resume, cfg.checkpoint.overwrite)
         for note in notes if parallel.is_main() else []:
             log.warning(note)
+        parallel.driver_phase("start-up (actor, rollout engine, prompts, metrics)")
         run = _build(cfg, tokenizer, folder, lock, scorer, prompt_format, report)
         parallel.join_driver("startup")  # the driver's engine, prompts and metrics: however long they take
         run.has_val = parallel.from_driver("has_val", "1" if run.val_prompts else "") == "1"
