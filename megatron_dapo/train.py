@@ -88,7 +88,7 @@ def _steps(run: RunState, stop: StopSignals) -> dict[str, float]:
     if signum := stop.requested():  # while starting: nothing new to save
         last = run.last_saved
         raise Preempted(signum, run.start_step, None if last is None else str(step_dir(run.ckpt_root, last)))
-    evaluated = {}
+    evaluated, stop.step = {}, run.start_step + 1  # a stop signal from now on lets that step finish
     if run.start_step == 0 and run.wants_eval(0):
         evaluated = validate_policy(run, 0)
         write(run, 0, evaluated)
@@ -103,6 +103,7 @@ def _steps(run: RunState, stop: StopSignals) -> dict[str, float]:
             evals = sum(run.wants_eval(s) for s in range(step + 1, cfg.train.steps + 1))
             log.info(pace_line({**evaluated, **out}, cfg.train.steps - step, evals))
         signum = stop.requested()
+        stop.step = step + 1 if step < cfg.train.steps and not last else None
         if run.wants_checkpoint(step) or last or signum:
             run.save(step)
         if signum:
