@@ -27,6 +27,7 @@ from megatron_dapo.heartbeat import DriverHungError
 from megatron_dapo.loop import distribute, monitors
 from megatron_dapo.loop.build import build_run
 from megatron_dapo.loop.evaluation import validate as run_validation
+from megatron_dapo.loop.inputs import check_inputs
 from megatron_dapo.loop.old_policy import apply_rollout_correction, old_logprobs
 from megatron_dapo.loop.preempt import Preempted, StartInterrupted, StopSignals
 from megatron_dapo.loop.startup import pace_line
@@ -296,7 +297,8 @@ def write(run: RunState, step: int, values: dict[str, float], bar=None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser("Train a policy with DAPO.")
-    parser.add_argument("--dry-run", action="store_true", help="resolve and check the config, then exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="resolve and check the config, the model folder and the data, then exit")
     args = parser.parse_intermixed_args(argv)  # overrides before or after flags
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_third_party()
@@ -306,6 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:  # what the run itself would refuse before anything loads
+        try:
+            check_inputs(cfg)
+        except UserError as e:
+            print_error("train", e)
+            return EXIT_USER_ERROR
     if args.print or args.dry_run:
         print(to_yaml(cfg), end="")
     if args.dry_run:

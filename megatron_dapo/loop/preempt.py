@@ -128,7 +128,8 @@ def acknowledge(message: str) -> None:
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
         return
     handlers = logging.getLogger().handlers
-    formatter = (handlers[0].formatter if handlers else None) or logging.Formatter("%(levelname)s %(name)s: %(message)s")
+    formatter = (handlers[0].formatter if handlers else None) or logging.Formatter(
+        "%(levelname)s %(name)s: %(message)s")
     record = log.makeRecord(log.name, logging.WARNING, __file__, 0, message, None, None)
     try:
         os.write(2, (formatter.format(record) + "\n").encode())

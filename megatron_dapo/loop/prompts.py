@@ -41,6 +41,10 @@ def load_train_prompts(cfg: Config, tokenizer: Any, fmt: PromptFormat | None = N
     _note(report, f"training prompts: {loaded.summary()}")
     if not loaded.prompts:
         raise SetupError(f"data.train_path={cfg.data.train_path!r}: no usable prompt ({loaded.summary()})")
+    if len(loaded.prompts) < cfg.train.prompt_batch_size:  # loop/inputs.py counts exactly only small datasets
+        raise SetupError(f"train.prompt_batch_size={cfg.train.prompt_batch_size} is larger than the "
+                         f"{len(loaded.prompts)} usable prompts of data.train_path={cfg.data.train_path} "
+                         f"({loaded.summary()})")
     return loaded
 
 
