@@ -81,7 +81,8 @@ def test_the_trainer_applies_rollout_max_prompt_len(tmp_path: Path):
     lines = [json.dumps({"question": "Q" * n, "answer": "#### 1"}) for n in (5, 3000, 8, 3000)]
     path = tmp_path / "gsm8k.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    cfg = load_config(None, [f"data.train_path={path}", f"data.val_path={path}", "rollout.max_prompt_len=400"])
+    cfg = load_config(None, [f"data.train_path={path}", f"data.val_path={path}", "rollout.max_prompt_len=400",
+                             "train.prompt_batch_size=2", "train.mini_batch_size=2"])
     tok = CharTokenizer()
     train = load_train_prompts(cfg, tok)
     assert [p.uid for p in train.prompts] == ["gsm8k/0", "gsm8k/2"]
