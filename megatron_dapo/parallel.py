@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -209,7 +208,6 @@ def destroy() -> None:
     from megatron.core import parallel_state as ps
 
     heartbeat.stop()
-
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized():

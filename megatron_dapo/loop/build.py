@@ -40,8 +40,8 @@ __all__ = ["RunState", "SetupError", "build_run"]
 
 
 def build_run(cfg: Config) -> RunState:
-    """Check the user's inputs (reward, model folder, datasets, batch: loop/inputs.py); initialise processes; lock the run folder and
-    choose the checkpoint to resume; build actor, engine, data and metrics; resume."""
+    """Check the user's inputs (reward; model folder, datasets, batch: loop/inputs.py); initialise processes;
+    lock the run folder and choose the checkpoint to resume; build actor, engine, data and metrics; resume."""
     try:  # user inputs that load quickly fail before any process group or model exists
         scorer = Scorer(cfg.reward, cfg.rollout.max_response_len)
         policy_loss_spec(cfg.algo.policy_loss)  # a user's loss is imported (and refused) here, once
