@@ -11,14 +11,13 @@ import logging
 import os
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from megatron_dapo import megatron_cpu, network
+from megatron_dapo import heartbeat, megatron_cpu, network
 from megatron_dapo.config import ParallelConfig
 
 log = logging.getLogger(__name__)
@@ -111,6 +110,7 @@ def initialize(cfg: ParallelConfig, *, seed: int, timeout_s: float | None = None
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                      expert_model_parallel_size=ep)
     seed_all(seed)
+    start_heartbeat(cfg.driver_heartbeat_timeout_s)
     return env
 
 
@@ -173,12 +173,31 @@ def seed_all(seed: int) -> None:
 
 
 _driver_waits = 0
+_heartbeat_timeout_s = ParallelConfig().driver_heartbeat_timeout_s
+
+
+def start_heartbeat(timeout_s: float) -> None:
+    """After torch.distributed starts: the driver beats (heartbeat.py); every rank learns how long a silence
+    it tolerates in join_driver."""
+    global _heartbeat_timeout_s
+    _heartbeat_timeout_s = timeout_s
+    if dist.get_world_size() > 1 and is_main():
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        heartbeat.start(_get_default_store(), timeout_s)
+
+
+def driver_phase(name: str) -> None:
+    """The driver's current phase ("rollout of step 3"): a rank waiting in join_driver names it if the driver
+    stops beating."""
+    heartbeat.set_phase(name)
 
 
 def join_driver(label: str, *, poll_s: float = 0.5) -> None:
     """Every rank: where the other ranks wait for work only the driver (global rank 0) does -- a rollout,
     an evaluation -- however long it takes. They poll the rendezvous store instead of waiting in a
-    collective (which fails after parallel.timeout_s); a driver that dies breaks the store and the wait."""
+    collective (which fails after parallel.timeout_s); a driver that dies breaks the store and the wait, one
+    whose heartbeat stops for parallel.driver_heartbeat_timeout_s raises heartbeat.DriverHungError."""
     global _driver_waits
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
@@ -189,8 +208,7 @@ def join_driver(label: str, *, poll_s: float = 0.5) -> None:
     if is_main():
         store.set(key, "1")
         return
-    while not store.check([key]):
-        time.sleep(poll_s)
+    heartbeat.wait_for_key(store, key, _heartbeat_timeout_s, poll_s)
 
 
 def from_driver(label: str, value: str) -> str:
@@ -217,6 +235,7 @@ def barrier() -> None:
 def destroy() -> None:
     from megatron.core import parallel_state as ps
 
+    heartbeat.stop()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized():

@@ -23,9 +23,11 @@ from megatron_dapo.algo.policy_losses import policy_loss_spec
 from megatron_dapo.algo.train_batch import build_train_batch, group_rewards, overlong_weights
 from megatron_dapo.cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError, print_error, quiet_third_party
 from megatron_dapo.config import Config, ConfigError, build_parser, load_config, to_yaml, validate
+from megatron_dapo.heartbeat import DriverHungError
 from megatron_dapo.loop import distribute, monitors
 from megatron_dapo.loop.build import build_run
 from megatron_dapo.loop.evaluation import validate as run_validation
+from megatron_dapo.loop.inputs import check_inputs
 from megatron_dapo.loop.old_policy import apply_rollout_correction, old_logprobs
 from megatron_dapo.loop.preempt import Preempted, StartInterrupted, StopSignals
 from megatron_dapo.loop.startup import pace_line
@@ -104,7 +106,7 @@ def _steps(run: RunState, stop: StopSignals) -> dict[str, float]:
     if signum := stop.requested():  # while starting: nothing new to save
         last = run.last_saved
         raise Preempted(signum, run.start_step, None if last is None else str(step_dir(run.ckpt_root, last)))
-    evaluated = {}
+    evaluated, stop.step = {}, run.start_step + 1  # a stop signal from now on lets that step finish
     if run.start_step == 0 and run.wants_eval(0):
         evaluated = validate_policy(run, 0)
         write(run, 0, evaluated)
@@ -119,6 +121,7 @@ def _steps(run: RunState, stop: StopSignals) -> dict[str, float]:
             evals = sum(run.wants_eval(s) for s in range(step + 1, cfg.train.steps + 1))
             log.info(pace_line({**evaluated, **out}, cfg.train.steps - step, evals))
         signum = stop.requested()
+        stop.step = step + 1 if step < cfg.train.steps and not last else None
         if run.wants_checkpoint(step) or last or signum:
             run.save(step)
         if signum:
@@ -135,6 +138,7 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     """One DAPO step: rollout -> rewards -> dynamic sampling -> advantages -> pi_old -> updates -> sync."""
     cfg, timer, t_step = run.cfg, run.timer, time.perf_counter()
     run.phases.generate()
+    parallel.driver_phase(f"rollout of step {step}")
     with timer("rollout"):  # generation and reward scoring, round by round or group by group
         rollout = next_rollout(run, step) if run.is_driver else None
         parallel.join_driver("rollout")  # the other ranks wait host-side, however long the rollout takes
@@ -253,6 +257,7 @@ def validate_policy(run: RunState, step: int) -> dict[str, float]:
     weights after `step` (val/policy_version says so with off-policy pipelining)."""
     settle_engine(run, step)
     run.phases.generate()
+    parallel.driver_phase(f"evaluation after step {step}")
     with rollout_logits_checked(run, after_step=step):
         result = run_validation(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids, run.scorer) \
             if run.is_driver else None
@@ -310,7 +315,8 @@ def write(run: RunState, step: int, values: dict[str, float], bar=None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser("Train a policy with DAPO.")
-    parser.add_argument("--dry-run", action="store_true", help="resolve and check the config, then exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="resolve and check the config, the model folder and the data, then exit")
     args = parser.parse_intermixed_args(argv)  # overrides before or after flags
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_third_party()
@@ -320,6 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:  # what the run itself would refuse before anything loads
+        try:
+            check_inputs(cfg)
+        except UserError as e:
+            print_error("train", e)
+            return EXIT_USER_ERROR
     if args.print or args.dry_run:
         print(to_yaml(cfg), end="")
     if args.dry_run:
@@ -329,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_training(cfg: Config) -> int:
     """train(cfg), every way it can end turned into one line on stderr and an exit code: 0 done;
-    2 bad input (model, data, run folder); 1 the run failed (non-finite weights, a bad checkpoint);
+    2 bad input (model, data, run folder); 1 the run failed (non-finite weights, a bad checkpoint, a hung driver);
     128 + signal after a preemption checkpoint; 130 on Ctrl-C (the last complete checkpoint intact)."""
     try:
         train(cfg)
@@ -337,7 +349,7 @@ def run_training(cfg: Config) -> int:
     except UserError as e:
         print_error("train", e)
         return EXIT_USER_ERROR
-    except (NonFiniteWeightsError, CheckpointError, WeightSyncError) as e:
+    except (NonFiniteWeightsError, CheckpointError, WeightSyncError, DriverHungError) as e:
         print_error("train", e)
         return 1
     except Preempted as e:

@@ -246,3 +246,26 @@ def global_kwargs(mode: str, mask: torch.Tensor) -> dict:
 WRAPS = [("\\mathbf{", "}"), ("\\textbf{", "}"), ("\\text{", "}"), ("\\mathrm{", "}"), ("\\boxed{", "}"),
          ("\\fbox{", "}"), ("**", "**"), ("", "\\%"), ("", "%")]
 MATH = [("\\(", "\\)"), ("\\[", "\\]"), ("$", "$"), ("$$", "$$")]
+
+
+# ---- what a config reads, as tiny stand-ins (the trainer's --dry-run refuses a missing model or dataset) ---------
+
+
+def stand_in_32b(root: Path) -> Path:
+    """What examples/configs/dapo_qwen2.5_32b.yaml reads, tiny, under `root`: models/Qwen2.5-32B (a Qwen2 with 8
+    heads, so TP=8 divides it, and the character tokenizer), data/dapo-math-17k.parquet (one batch of 512
+    DAPO-Math rows) and data/aime-2024.parquet. Returns `root`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megatron_dapo.tiny import save_tiny_model
+    from megatron_dapo.tiny.tokenizer import build_char_tokenizer, save_tokenizer
+
+    model = save_tiny_model(root / "models" / "Qwen2.5-32B", "qwen2", num_attention_heads=8, num_key_value_heads=8)
+    save_tokenizer(build_char_tokenizer(), model)
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    for name, n in (("dapo-math-17k", 512), ("aime-2024", 30)):
+        rows = [{"prompt": [{"role": "user", "content": f"What is {i} + 7? Answer: <n>"}], "data_source": name,
+                 "reward_model": {"ground_truth": str(i + 7)}} for i in range(n)]
+        pq.write_table(pa.Table.from_pylist(rows), root / "data" / f"{name}.parquet")
+    return root

@@ -82,14 +82,16 @@ def test_every_rank_validates_when_only_the_driver_holds_the_validation_set(base
 def test_a_rollout_longer_than_the_collective_timeout_completes(base_dir, tmp_path, python_env):
     """parallel.timeout_s=20 and a first rollout that takes over 35 s (its first reward call sleeps): rank 1
     waits for the driver on the rendezvous store, not in the header's broadcast (which timed out: gloo
-    "Timed out waiting 20000ms"; NCCL's watchdog would have killed a GPU job the same way)."""
+    "Timed out waiting 20000ms"; NCCL's watchdog would have killed a GPU job the same way). The driver is slow,
+    not hung: its heartbeat goes on, and a 10 s parallel.driver_heartbeat_timeout_s does not stop rank 1."""
     from megatron_dapo.metrics import read_scalars
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(parallel.free_port()), str(REPO / "tests" / "workers" / "train_worker.py"),
            "--config", str(REPO / "examples/configs/tiny_cpu.yaml"), f"model.hf_dir={base_dir}",
            f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path}", "logging.run_name=slow",
-           *STEP, "parallel.timeout_s=20", "reward.name=slow_reward:slow_once", "reward.timeout_s=0"]
+           *STEP, "parallel.timeout_s=20", "parallel.driver_heartbeat_timeout_s=10",
+           "reward.name=slow_reward:slow_once", "reward.timeout_s=0"]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**python_env, "DAPO_TEST_REWARD_DELAY": "35"},
                        timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from megatron_dapo.data import load_prompts
 from megatron_dapo.data.render import render_prompt_ids
 
@@ -83,7 +85,8 @@ def test_the_trainer_applies_rollout_max_prompt_len(tmp_path: Path):
     lines = [json.dumps({"question": "Q" * n, "answer": "#### 1"}) for n in (5, 3000, 8, 3000)]
     path = tmp_path / "gsm8k.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    cfg = load_config(None, [f"data.train_path={path}", f"data.val_path={path}", "rollout.max_prompt_len=400"])
+    cfg = load_config(None, [f"data.train_path={path}", f"data.val_path={path}", "rollout.max_prompt_len=400",
+                             "train.prompt_batch_size=2", "train.mini_batch_size=2"])
     tok = CharTokenizer()
     train = load_train_prompts(cfg, tok)
     assert [p.uid for p in train.prompts] == ["gsm8k/0", "gsm8k/2"]
@@ -119,19 +122,22 @@ def test_prompts_all_too_long_name_the_limit_the_length_and_the_template(tmp_pat
         assert named in text, (named, text)
 
 
-def test_a_dataset_smaller_than_one_batch_is_said(tmp_path: Path, caplog):
+def test_a_dataset_smaller_than_one_batch_is_refused_naming_its_size(tmp_path: Path):
+    """Issue 41's "repeats prompts within a step without a word", and issue 38's refusal: the run does not start."""
     from megatron_dapo.config import load_config
+    from megatron_dapo.loop.preflight import SetupError
     from megatron_dapo.loop.prompts import load_train_prompts
 
     path = tmp_path / "gsm8k.jsonl"
     path.write_bytes(b"\n".join(_gsm8k_lines(3)) + b"\n")
-    for batch, warned in ((4, True), (3, False)):
-        caplog.clear()
+    for batch, refused in ((4, True), (3, False)):
         cfg = load_config(None, [f"data.train_path={path}", f"train.prompt_batch_size={batch}",
                                  "train.mini_batch_size=1"])
-        load_train_prompts(cfg, CharTokenizer())
-        said = [r.getMessage() for r in caplog.records if "train.prompt_batch_size" in r.getMessage()]
-        assert bool(said) == warned and (not said or "3 usable prompts" in said[0]), said
+        if not refused:
+            load_train_prompts(cfg, CharTokenizer())
+            continue
+        with pytest.raises(SetupError, match="train.prompt_batch_size=4 is larger than the 3 usable prompts"):
+            load_train_prompts(cfg, CharTokenizer())
 
 
 def _fmt(template):

@@ -22,9 +22,12 @@ CFG = str(REPO / "examples/configs/tiny_cpu.yaml")
 def nine_heads(tmp_path_factory):
     """SmolLM-135M's attention shape: 9 heads, 3 KV heads, MLP 1536 (tiny otherwise), 30 -> 6 layers."""
     from megatron_dapo.tiny import save_tiny_model
+    from megatron_dapo.tiny.tokenizer import build_char_tokenizer, save_tokenizer
 
-    return save_tiny_model(tmp_path_factory.mktemp("nine"), "llama", hidden_size=72, num_attention_heads=9,
+    path = save_tiny_model(tmp_path_factory.mktemp("nine"), "llama", hidden_size=72, num_attention_heads=9,
                            num_key_value_heads=3, intermediate_size=1536, num_hidden_layers=6)
+    save_tokenizer(build_char_tokenizer(), path)  # --dry-run loads it
+    return path
 
 
 def test_valid_tp_values_are_the_common_divisors():

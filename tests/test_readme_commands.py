@@ -17,7 +17,8 @@ as written by `.ci/run`, which this module checks.
 
 The sandbox: `examples/` and `tools/` of this checkout, `checkpoints/tiny_base` (the tiny base, built
 here quickly), `models/my-model` (a tiny Llama with a Qwen2.5-style chat template), `models/Qwen2.5-32B`
-(a tiny Qwen2 stand-in with 8 heads, so TP=8 divides it), `data/train.jsonl` and `data/val.jsonl`
+(a tiny Qwen2 stand-in with 8 heads, so TP=8 divides it, with a tokenizer) and the 32B config's parquet
+files (support.stand_in_32b: the trainer's --dry-run reads them), `data/train.jsonl` and `data/val.jsonl`
 (GSM8K-format rows), and `checkpoints/dapo_qwen2.5_32b` pointing at `checkpoints/qwen32b_mcore`.
 """
 
@@ -261,7 +262,9 @@ def gsm8k_rows(n: int, seed: int) -> str:
 
 @pytest.fixture(scope="module")
 def sandbox(tmp_path_factory) -> Path:
-    from megatron_dapo.tiny import ensure_tiny_base, save_tiny_model
+    from support import stand_in_32b
+
+    from megatron_dapo.tiny import ensure_tiny_base
     from megatron_dapo.tiny.chat import save_chat_model
 
     root = tmp_path_factory.mktemp("readme")
@@ -270,8 +273,7 @@ def sandbox(tmp_path_factory) -> Path:
     ensure_tiny_base(root / "checkpoints" / "tiny_base", seconds=8)
     save_chat_model(root / "models" / "my-model", "llama", num_attention_heads=4, num_key_value_heads=2,
                     max_position_embeddings=2048)
-    save_tiny_model(root / "models" / "Qwen2.5-32B", "qwen2", num_attention_heads=8, num_key_value_heads=8)
-    (root / "data").mkdir()
+    stand_in_32b(root)  # models/Qwen2.5-32B, data/dapo-math-17k.parquet, data/aime-2024.parquet
     (root / "data" / "train.jsonl").write_text(gsm8k_rows(64, 0))
     (root / "data" / "val.jsonl").write_text(gsm8k_rows(16, 1))
     (root / "checkpoints" / "dapo_qwen2.5_32b").symlink_to("qwen32b_mcore")

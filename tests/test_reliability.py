@@ -5,8 +5,9 @@ on the tiny base (CPU):
   resume=auto with another config warns loudly; a second run is locked out, a stale lock taken over;
 - a corrupt newest checkpoint is skipped (named, with the reason) and the run replays exactly from the
   one before it;
-- SIGTERM or SIGUSR1 to every process of the job (as Slurm sends them) finishes the step, saves it and exits
-  128 + the signal (the helpers the trainer started survive it); resume=auto then replays the uninterrupted run;
+- SIGTERM or SIGUSR1 to every process of the job (as Slurm sends them) is acknowledged in the log, finishes the
+  step, saves it and exits 128 + the signal (the helpers the trainer started survive it); resume=auto then
+  replays the uninterrupted run;
 - Ctrl-C exits 130 with one line and the last complete checkpoint intact;
 - an unwritable or full checkpoint folder and a broken model folder are one line and exit 2 at start;
 - a single-node run's TCP store listens on loopback only.
@@ -141,6 +142,8 @@ def preempt_and_resume(base_dir, straight, tmp_path, env, sig: int, save_every: 
     # the step in flight was finished and the run stopped there (a step takes a fraction of a second here,
     # so the signal, sent once step 1 is on disk, may land in any of the 3 steps)
     assert step in (1, 2, 3), line
+    # acknowledged when it arrived, in the log, naming the step it let finish (test_stop_ack.py: at once)
+    assert f"{signal.Signals(sig).name} received: finishing step {step}, then saving" in stderr, stderr[-3000:]
     from megatron_dapo.actor.checkpoint import step_dir
     from megatron_dapo.actor.checkpoint_files import verify
 
@@ -177,6 +180,7 @@ def test_ctrl_c_exits_130_with_one_line_and_keeps_the_last_checkpoint(base_dir, 
     _, stderr = proc.communicate(timeout=300)
     r = subprocess.CompletedProcess(cmd, proc.returncode, "", stderr)
     line = one_line(r, 130, "train: interrupted (Ctrl-C): last complete checkpoint:")
+    assert "Ctrl-C received: stopping now" in stderr, stderr[-3000:]  # acknowledged when it arrived
     from megatron_dapo.actor.checkpoint import newest_verified
 
     newest, skipped = newest_verified(folder)

@@ -53,8 +53,20 @@ def test_scripts_parse(path):
     assert r.returncode == 0, r.stderr
 
 
-def test_32b_dry_run_prints_commands_and_plans(tmp_path):
-    r = bash("examples/run_dapo_32b.sh", env=script_env(DRY_RUN="1"), cwd=tmp_path)  # from anywhere
+@pytest.fixture(scope="module")
+def stand_in(tmp_path_factory) -> dict:
+    """The 32B launcher's model and datasets, tiny (the trainer's --dry-run refuses missing ones), as the
+    launcher's variables."""
+    from support import stand_in_32b
+
+    root = stand_in_32b(tmp_path_factory.mktemp("stand_in"))
+    data = root / "data"
+    return {"HF_DIR": str(root / "models" / "Qwen2.5-32B"), "TRAIN_DATA": str(data / "dapo-math-17k.parquet"),
+            "VAL_DATA": str(data / "aime-2024.parquet")}
+
+
+def test_32b_dry_run_prints_commands_and_plans(stand_in, tmp_path):
+    r = bash("examples/run_dapo_32b.sh", env=script_env(DRY_RUN="1", **stand_in), cwd=tmp_path)  # from anywhere
     out = r.stdout
     assert r.returncode == 0, out[-3000:] + r.stderr[-3000:]
     sbatch = next(line for line in out.splitlines() if line.strip().startswith("sbatch "))
@@ -68,17 +80,17 @@ def test_32b_dry_run_prints_commands_and_plans(tmp_path):
                  "train.mini_batch_size=32", "model.load=checkpoints/Qwen2.5-32B-megatron",
                  "algo.eps_high=0.28"):
         assert part in srun, (part, srun)
-    assert "tools/convert_hf_to_megatron.py --hf-dir models/Qwen2.5-32B" in out
+    assert f"tools/convert_hf_to_megatron.py --hf-dir {stand_in['HF_DIR']}" in out
     assert "MASTER_ADDR=$(scontrol show hostnames" in out and "CUDA_DEVICE_MAX_CONNECTIONS=1" in out
     assert "TP=8 x PP=1 x DP=16" in out and "verdict: FITS" in out  # the planner ran
     assert "--world-size 128 --dry-run" in out and "tensor_parallel: 8" in out  # the trainer's check ran
     assert "mini_batch_size: 32" in out
 
 
-def test_32b_first_contact_is_short_checks_every_phase_and_summarises_them(tmp_path):
+def test_32b_first_contact_is_short_checks_every_phase_and_summarises_them(stand_in, tmp_path):
     """FIRST_CONTACT=1: the real layout for a few short steps (an evaluation, saves, the probe), its own run name and
     hour, and the phase summary after the trainer; the trainer's --dry-run accepts the overrides at 8 x 8 ranks."""
-    r = bash("examples/run_dapo_32b.sh", "--nodes", "8", env=script_env(DRY_RUN="1", FIRST_CONTACT="1", PLAN="0"),
+    r = bash("examples/run_dapo_32b.sh", "--nodes", "8", env=script_env(DRY_RUN="1", FIRST_CONTACT="1", PLAN="0", **stand_in),
              cwd=tmp_path)  # the command the README gives (On a GPU)
     out = r.stdout
     assert r.returncode == 0, out[-3000:] + r.stderr[-3000:]
@@ -94,9 +106,9 @@ def test_32b_first_contact_is_short_checks_every_phase_and_summarises_them(tmp_p
     assert "  steps: 3\n" in config and "  max_response_len: 2048\n" in config
 
 
-def test_32b_dry_run_flags_override_the_header():
+def test_32b_dry_run_flags_override_the_header(stand_in):
     r = bash("examples/run_dapo_32b.sh", "--nodes", "2", "--time=1:00:00", "--dry-run",
-             "algo.eps_high=0.3", env=script_env(GPU_MEM_GB="141", PARTITION="gpu"))
+             "algo.eps_high=0.3", env=script_env(GPU_MEM_GB="141", PARTITION="gpu", **stand_in))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "--nodes=2 " in r.stdout and "--time=1:00:00" in r.stdout and "--partition=gpu" in r.stdout
     assert "--ntasks=16" in r.stdout and "algo.eps_high=0.3" in r.stdout and "verdict: FITS" in r.stdout
@@ -164,9 +176,9 @@ def test_both_launchers_ask_for_the_preemption_signal():
     assert 'kill -USR1 "$pid"' in common and 'scontrol requeue "$SLURM_JOB_ID"' in common
 
 
-def test_tiny_inside_an_allocation_uses_srun_with_two_ranks():
+def test_tiny_inside_an_allocation_uses_srun_with_two_ranks(base_dir):
     env = script_env(SLURM_JOB_ID="77", SLURM_NTASKS="2", SLURM_JOB_NUM_NODES="1", DRY_RUN="1")
-    r = bash("examples/run_dapo_tiny.sh", *FAST, env=env)
+    r = bash("examples/run_dapo_tiny.sh", *FAST, f"model.hf_dir={base_dir}", env=env)  # --dry-run reads it
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "srun --kill-on-bad-exit=1 --label --nodes=1 --ntasks-per-node=2 --ntasks=2" in r.stdout
     assert "parallel.backend=gloo" in r.stdout and "train.steps=2" in r.stdout

@@ -72,9 +72,10 @@ def test_sigkill_and_resume_replays_exactly(base_dir, tmp_path, python_env):
             assert a[tag][step] == b[tag][step], (tag, step, a[tag][step], b[tag][step])
 
 
-def test_dry_run_and_config_errors(python_env):
+def test_dry_run_and_config_errors(python_env, base_dir):
     cfg = str(REPO / "examples/configs/tiny_cpu.yaml")
-    r = subprocess.run([sys.executable, "-m", "megatron_dapo.train", "--config", cfg, "--dry-run"],
+    r = subprocess.run([sys.executable, "-m", "megatron_dapo.train", "--config", cfg, "--dry-run",
+                        f"model.hf_dir={base_dir}"],
                        capture_output=True, text=True, env=python_env, timeout=120)
     assert r.returncode == 0 and "group_size: 8" in r.stdout, r.stderr
     r = subprocess.run([sys.executable, "-m", "megatron_dapo.train", "--config", cfg, "algo.eps_hgh=1"],

@@ -26,6 +26,10 @@ class ParallelConfig:
     """Limit on one collective among the ranks (a rank that stops answering fails the job after it). The
     other ranks wait for the driver's rollout, evaluation and server start-up host-side (on the rendezvous
     store, as long as the driver lives), not in a collective: hours-long rollouts need no longer limit."""
+    driver_heartbeat_timeout_s: float = knob(1800.0, "(0, inf)")
+    """The ranks waiting for the driver stop, naming its last phase, when its heartbeat (a thread, every few
+    s) is silent this long: stopped or frozen, not slow. 30 min outlasts any pause of a healthy driver (a
+    GIL-holding call, swapping in a big save) and stays far below a Slurm time limit (hours)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs TP > 1 and the Transformer Engine spec)."""
 

@@ -262,7 +262,7 @@ def _keep(result: LoadResult, prompt: Prompt, limits: _Limits, fmt: PromptFormat
 
 def load_prompts(path: str, *, max_prompt_chars: int | None = None, limit: int | None = None,
                  max_prompt_tokens: int | None = None, count_tokens: Callable[[Prompt], int] | None = None,
-                 prompt_format: PromptFormat | None = None) -> LoadResult:
+                 prompt_format: PromptFormat | None = None, log_skipped: bool = True) -> LoadResult:
     """Load prompts from a dataset file or a `builtin:` spec (see the module docstring).
 
     uids are `<data_source>/<row index>` (jsonl: 0-based line number) and stay stable when rows are
@@ -271,7 +271,8 @@ def load_prompts(path: str, *, max_prompt_chars: int | None = None, limit: int |
     those for which `count_tokens(prompt)` (the rendered prompt's length) is larger; `limit` stops after
     that many prompts are kept. Raises FileNotFoundError / ValueError for a missing file or an
     unrecognised format; bad rows (not JSON, not UTF-8, malformed, no integer answer, too long) are
-    counted in `LoadResult.skipped` and logged as one warning naming the file and rows.
+    counted in `LoadResult.skipped` and logged as one warning naming the file and rows (unless not
+    `log_skipped`).
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
@@ -295,6 +296,6 @@ def load_prompts(path: str, *, max_prompt_chars: int | None = None, limit: int |
         if not file.is_file():
             raise FileNotFoundError(f"dataset file not found: {path}")
         _load_file(file, result, limits, limit, fmt)
-    if result.skipped:
+    if result.skipped and log_skipped:
         logger.warning(result.summary())
     return result

@@ -23,7 +23,8 @@ from megatron_dapo.loop import determinism, run_dir
 from megatron_dapo.loop.engines import make_engine
 from megatron_dapo.loop.old_policy import resolve_old_logprob_source
 from megatron_dapo.loop.phases import Phases
-from megatron_dapo.loop.preflight import SetupError, check_model, checkpoint_bytes
+from megatron_dapo.loop.inputs import check_inputs
+from megatron_dapo.loop.preflight import SetupError, checkpoint_bytes
 from megatron_dapo.loop.prompts import load_train_prompts, load_val_prompts
 from megatron_dapo.loop.startup import StartupReport, system_prompt_note
 from megatron_dapo.loop.state import RunState
@@ -39,17 +40,19 @@ __all__ = ["RunState", "SetupError", "build_run"]
 
 
 def build_run(cfg: Config) -> RunState:
-    """Check the user's inputs (reward, prompts, model folder); initialise processes; lock the run folder and
-    choose the checkpoint to resume; build actor, engine, data and metrics; resume."""
+    """Check the user's inputs (reward; model folder, datasets, batch: loop/inputs.py); initialise processes;
+    lock the run folder and choose the checkpoint to resume; build actor, engine, data and metrics; resume."""
     try:  # user inputs that load quickly fail before any process group or model exists
         scorer = Scorer(cfg.reward, cfg.rollout.max_response_len)
         policy_loss_spec(cfg.algo.policy_loss)  # a user's loss is imported (and refused) here, once
         if cfg.logging.wandb.enabled:
             import_wandb()
-        prompt_format = PromptFormat.from_files(cfg.data.prompt_template, cfg.data.system_prompt,
-                                                cfg.data.few_shot_path)
     except (RewardLoadError, ValueError, OSError) as e:
         raise SetupError(str(e)) from e
+    try:  # model folder, tokenizer, datasets, batch: every rank alike, before anything loads
+        tokenizer, prompt_format = check_inputs(cfg)
+    except SetupError as e:
+        raise preflight_error(e) from None
     if cfg.train.deterministic:  # before NCCL, cuBLAS or TE first run
         try:
             determinism.enable()
@@ -57,10 +60,6 @@ def build_run(cfg: Config) -> RunState:
             raise SetupError(str(e)) from None
     parallel.initialize(cfg.parallel, seed=cfg.train.seed)
     hf_dir = cfg.model.hf_dir
-    try:
-        tokenizer = check_model(hf_dir)
-    except SetupError as e:
-        raise preflight_error(e) from None
     report = StartupReport(cfg)
     report.chat_template = use_chat_template(tokenizer, cfg.model.chat_template)
     report.system_prompt, warn = system_prompt_note(cfg.data.system_prompt, default_system_prompt(tokenizer))
@@ -70,6 +69,7 @@ def build_run(cfg: Config) -> RunState:
         start, notes = run_dir.claim(folder, cfg.checkpoint.resume, cfg.checkpoint.overwrite)
         for note in notes if parallel.is_main() else []:
             log.warning(note)
+        parallel.driver_phase("start-up (actor, rollout engine, prompts, metrics)")
         run = _build(cfg, tokenizer, folder, lock, scorer, prompt_format, report)
         parallel.join_driver("startup")  # the driver's engine, prompts and metrics: however long they take
         run.has_val = parallel.from_driver("has_val", "1" if run.val_prompts else "") == "1"

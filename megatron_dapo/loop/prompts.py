@@ -52,10 +52,10 @@ def load_train_prompts(cfg: Config, tokenizer: Any, fmt: PromptFormat | None = N
     _note(report, f"training prompts: {_summary(loaded, cfg)}")
     if not loaded.prompts:
         raise SetupError(f"data.train_path={cfg.data.train_path!r}: no usable prompt ({_summary(loaded, cfg)})")
-    if len(loaded.prompts) < cfg.train.prompt_batch_size:
-        log.warning("data.train_path=%s: %d usable prompts, fewer than train.prompt_batch_size=%d: every step "
-                    "repeats prompts; add prompts or lower train.prompt_batch_size (and train.mini_batch_size)",
-                    cfg.data.train_path, len(loaded.prompts), cfg.train.prompt_batch_size)
+    if len(loaded.prompts) < cfg.train.prompt_batch_size:  # loop/inputs.py counts exactly only small datasets
+        raise SetupError(f"train.prompt_batch_size={cfg.train.prompt_batch_size} is larger than the "
+                         f"{len(loaded.prompts)} usable prompts of data.train_path={cfg.data.train_path} "
+                         f"({_summary(loaded, cfg)})")
     return loaded
 
 
