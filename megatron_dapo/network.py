@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+from collections.abc import Mapping
 
 _PROBE_PORT = 9  # discard; a UDP connect() only picks the route, nothing is sent
 _DEFAULT_ROUTE_PROBE = "192.0.2.1"  # TEST-NET-1 (RFC 5737): reached through the default route, if any
@@ -30,7 +31,7 @@ def is_loopback(address: str) -> bool:
         return address == "localhost"
 
 
-def node_address(master_addr: str, environ: dict[str, str] | None = None) -> str:
+def node_address(master_addr: str, environ: Mapping[str, str] | None = None) -> str:
     """The address other nodes reach this one at: $DAPO_NODE_ADDR, else the interface that routes towards
     the job's master, else the one of the default route, else the host name's address."""
     env = os.environ if environ is None else environ
@@ -53,7 +54,7 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def gloo_interface(master_addr: str, environ: dict[str, str] | None = None) -> str | None:
+def gloo_interface(master_addr: str, environ: Mapping[str, str] | None = None) -> str | None:
     """GLOO_SOCKET_IFNAME for a job on several hosts: the user's, else the interface of `node_address()` (None:
     it is loopback or held by no interface here; gloo then resolves the host name itself)."""
     env = os.environ if environ is None else environ

@@ -7,6 +7,7 @@ request runs leaves the server serving."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +25,8 @@ class ScriptedServer:
     SGLang's does (sglang 0.5.23 weight_updater.py asserts `is_fully_idle()`, and the scheduler dies)."""
 
     def __init__(self, engine: SGLangEngine) -> None:
-        self.engine, self.calls, self.refuse_tags, self.running, self.dead = engine, [], False, 0, False
+        self.engine, self.refuse_tags, self.running, self.dead = engine, False, 0, False
+        self.calls: list[tuple[str, Any]] = []
 
     def __call__(self, method, path, body=None, *, timeout=None):
         if self.dead:

@@ -4,6 +4,8 @@ Independent reference: transformers, its routers either free (the experts the pi
 to given experts (the probabilities renormalised over them, as its router does over its own top-k): the actor's
 update replaying those routes sees the policy transformers computes with them, so its ratio is exactly 1."""
 
+from typing import Literal
+
 import pytest
 import torch
 
@@ -78,7 +80,7 @@ def _hf_pass(hf_dir, batch: TrainBatch, forced: torch.Tensor | None = None):
     return lp, routes
 
 
-def _actor(hf_dir, replay: str):
+def _actor(hf_dir, replay: Literal["none", "r2"]):
     from megatron_dapo.actor.actor import Actor
 
     cfg = Config()
@@ -101,9 +103,10 @@ def test_routes_map_between_rows_and_the_models_token_order():
             back = routes_to_rows(mb, model)
             for j, n in enumerate(mb.lengths.tolist()):
                 assert torch.equal(back[j, :n], routes[int(mb.rows[j]), :n])
-    mb: MicroBatch = micro_batches(batch, 100, thd=0)[0]  # one padded [4, 14] batch: row 3 is 6 long
-    model = routes_to_model(mb, mb.routes).view(14, 4, LAYERS, TOP_K)  # [s, b]
-    assert torch.equal(model[2, 1], routes[int(mb.rows[1]), 2])
+    whole: MicroBatch = micro_batches(batch, 100, thd=0)[0]  # one padded [4, 14] batch: row 3 is 6 long
+    assert whole.routes is not None
+    model = routes_to_model(whole, whole.routes).view(14, 4, LAYERS, TOP_K)  # [s, b]
+    assert torch.equal(model[2, 1], routes[int(whole.rows[1]), 2])
     assert torch.equal(model[10, 3], torch.arange(TOP_K, dtype=torch.uint8).expand(LAYERS, TOP_K))
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.sandbox import SandboxConfig, SandboxPool, SandboxUnavailable, check_sandbox, run_code
+from megatron_dapo.sandbox import (SandboxConfig, SandboxPool, SandboxUnavailable, ToolResult, check_sandbox,
+                                   run_code)
 from megatron_dapo.sandbox.bwrap import ENV, PROJECT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ def sandbox_here():
         pytest.skip(str(e))
 
 
-def run(code: str, **limits) -> "object":
+def run(code: str, **limits) -> ToolResult:
     return run_code(textwrap.dedent(code), SandboxConfig(**{"timeout_s": 10.0, **limits}))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import Any
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -27,7 +28,8 @@ class Service:
     or ("sleep", S, reply). Records the request bodies."""
 
     def __init__(self, replies: list) -> None:
-        self.replies, self.requests = list(replies), []
+        self.replies = list(replies)
+        self.requests: list[tuple[str, Any]] = []
         service = self
 
         class Handler(BaseHTTPRequestHandler):

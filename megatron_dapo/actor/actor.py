@@ -24,11 +24,12 @@ from megatron_dapo.actor.model import (
     use_transformer_engine,
 )
 from megatron_dapo.actor.routing import RouteKeeper
+from megatron_dapo.actor.residency import Residency
 from megatron_dapo.actor.optimizer import build_optimizer, build_scheduler, current_lr, wrap_ddp
 from megatron_dapo.config import ActorConfig, AlgoConfig, ModelConfig, ParallelConfig
 from megatron_dapo.config.sizing import resolve_micro_batches
 from megatron_dapo.kernels import linear_logprobs_and_entropy, loss_from_logprobs, token_logprobs_and_entropy
-from megatron_dapo.offload import HostOffload, device_bytes
+from megatron_dapo.offload import HostOffload
 from megatron_dapo.types import TrainBatch
 
 
@@ -51,7 +52,7 @@ def _finalize_grads_unscaled(model, num_tokens=None, *args, **kwargs):
     return finalize_model_grads(model, None, *args, **kwargs)
 
 
-class Actor:
+class Actor(Residency):
     """One rank's shard of the policy; every rank of a TP/PP/DP layout builds one."""
 
     def __init__(self, spec: ModelSpec, model_cfg: ModelConfig, par_cfg: ParallelConfig, actor_cfg: ActorConfig,
@@ -387,57 +388,3 @@ class Actor:
                 "clipfrac_dual": dual / t, "entropy": ent / t, "approx_kl": kl / t, "lr": current_lr(self.optimizer),
                 "nonfinite": float(nonfinite)}
 
-    # --- colocated hybrid engine ------------------------------------------------------------------
-
-    STATE = ("weights", "main_grads", "optimizer")
-
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The actor's device state by component (the planner's names): parameters (and Megatron's flat
-        parameter buffers), main-grad buffers, optimizer state (fp32 master copies, Adam moments)."""
-        buffers = self._buffers()
-        weights = [*self.module.parameters(), *(b.param_data for b in buffers if b.param_data is not None)]
-        optim: list[torch.Tensor] = []
-        for opt in _torch_optimizers(self.optimizer):
-            optim += [p for g in opt.param_groups for p in g["params"]]
-            optim += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-        return {"weights": weights, "main_grads": [b.grad_data for b in buffers], "optimizer": optim}
-
-    def device_bytes(self) -> dict[str, int]:
-        """Bytes of each state component resident on this rank's device now (0 for all while asleep)."""
-        return device_bytes(self.state_tensors(), parallel.device())
-
-    def resident(self) -> tuple[str, ...]:
-        """The state components on this rank's device now (the others are in host memory)."""
-        return tuple(c for c in self.STATE if c not in self._offload.offloaded_groups)
-
-    @property
-    def asleep(self) -> bool:
-        """Nothing of the actor's state on the device."""
-        return not self.resident()
-
-    def sleep(self, parts: tuple[str, ...] = STATE) -> None:
-        """Free the device of `parts` (default all, for the rollout engine): weights and optimizer state go to
-        host memory, the main grads are dropped (every update starts from zeroed grads). Same code on CPU
-        and GPU."""
-        parts = tuple(p for p in parts if p in self.resident())
-        if not parts:
-            return
-        self._offload.offload(self.state_tensors(), drop=("main_grads",), only=parts)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-    def wake(self, parts: tuple[str, ...] = STATE) -> None:
-        self._offload.reload(only=parts)
-
-    def _check_awake(self, needs: tuple[str, ...] = STATE) -> None:
-        if missing := [p for p in needs if p not in self.resident()]:
-            raise RuntimeError(f"actor's {', '.join(missing)} are in host memory (rollout phase): call wake() "
-                               "before computing")
-
-
-def _torch_optimizers(opt: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimizers inside a Megatron (chained) optimizer."""
-    if hasattr(opt, "chained_optimizers"):
-        return [o for c in opt.chained_optimizers for o in _torch_optimizers(c)]
-    inner = getattr(opt, "optimizer", None)
-    return [inner] if isinstance(inner, torch.optim.Optimizer) else []

@@ -34,3 +34,10 @@ class ConfigError(ValueError):
     def __init__(self, message: str, problems: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.problems = problems or (message,)
+
+
+DEFAULT_BUCKET_MB = {"tensor": 512, "distributed": 256, "disk": 1024}
+"""rollout.weight_sync_bucket_mb=0, per transport. tensor: slime's 512 MiB, one bucket copy on each
+trainer GPU in the sync phase, read in place by the server; distributed: NCCL reaches link speed with far
+smaller messages, and the servers allocate each bucket's receive buffer beside their resident KV cache;
+disk: host memory and files only."""

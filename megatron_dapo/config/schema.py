@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from megatron_dapo.config.fields import (  # noqa: F401 - the tree's vocabulary, imported from here too
-    POLICY_LOSSES, PROMPT_TEMPLATES, REWARD_FUNCTION, REWARDS, ConfigError, FilterMetric, LossAggMode, OnExhausted, knob)
+    DEFAULT_BUCKET_MB, POLICY_LOSSES, PROMPT_TEMPLATES, REWARD_FUNCTION, REWARDS, ConfigError, FilterMetric, LossAggMode,
+    OnExhausted, knob)
 
 
 @dataclass(kw_only=True)
@@ -27,9 +28,8 @@ class ParallelConfig:
     other ranks wait for the driver's rollout, evaluation and server start-up host-side (on the rendezvous
     store, as long as the driver lives), not in a collective: hours-long rollouts need no longer limit."""
     driver_heartbeat_timeout_s: float = knob(1800.0, "(0, inf)")
-    """The ranks waiting for the driver stop, naming its last phase, when its heartbeat (a thread, every few
-    s) is silent this long: stopped or frozen, not slow. 30 min outlasts any pause of a healthy driver (a
-    GIL-holding call, swapping in a big save) and stays far below a Slurm time limit (hours)."""
+    """The ranks waiting for the driver stop, naming its last phase, when its heartbeat (a thread) is silent this
+    long: stopped or frozen, not slow; 30 min outlasts a healthy driver's pauses, far below a Slurm limit."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs TP > 1 and the Transformer Engine spec)."""
 
@@ -93,9 +93,7 @@ class ActorConfig:
     layer spec; Transformer Engine ignores the block mask (off; true is an error). YAML: on/off = true/false."""
 
     routing_replay: Literal["none", "r2"] = "none"
-    """MoE models: r2 = the updates use the experts the pi_old pass routed each token to (the router still
-    scores them; actor/routing.py), so a router that moves during the updates does not change which experts
-    the ratio compares. none = each pass routes by itself. (r3, the rollout engine's routes, is not built.)"""
+    """MoE: r2 = the updates take the experts pi_old's pass routed each token to (actor/routing.py)."""
 
     def resolved_loss_impl(self, sequence_parallel: bool) -> str:
         """"logits" or "linear": auto is linear unless the hidden states are sequence-sharded."""
@@ -111,13 +109,6 @@ class ActorConfig:
             raise ValueError("actor.shared_prefix=on needs the local layer spec (model.transformer_impl=local): "
                              "Transformer Engine's causal attention ignores the block mask")
         return True
-
-
-DEFAULT_BUCKET_MB = {"tensor": 512, "distributed": 256, "disk": 1024}
-"""rollout.weight_sync_bucket_mb=0, per transport. tensor: slime's 512 MiB, one bucket copy on each
-trainer GPU in the sync phase, read in place by the server; distributed: NCCL reaches link speed with far
-smaller messages, and the servers allocate each bucket's receive buffer beside their resident KV cache;
-disk: host memory and files only."""
 
 
 @dataclass(kw_only=True)
@@ -176,8 +167,7 @@ class RolloutConfig:
     the rounds' when lengths have a long tail (partial_rollout continues the aborted ones instead).
     false = the paper's Algorithm 1 exactly: synchronous rounds (rollout/step/rounds.py)."""
     max_inflight_groups: int = knob(0, "[0, inf)", "0 = automatic")
-    """Streaming: at most this many groups submitted and unfinished (0 = 2 x ceil(N x
-    gen_batch_multiplier))."""
+    """Streaming: at most this many groups submitted and unfinished (0 = 2 x ceil(N x gen_batch_multiplier))."""
     partial_rollout: bool = False
     """Streaming: the groups a step aborts continue in the next step from where they
     stopped (slime's partial rollout) instead of being dropped; their earlier tokens were sampled by an

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_dapo.config import WandbConfig
 from megatron_dapo.metrics.events import read_scalars
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("accuracy", ("val/acc_avg_at_k", "train/acc_mean")),
@@ -36,7 +39,7 @@ class MetricsWriter:
         self.enabled = enabled
         self.history: dict[str, dict[int, float]] = defaultdict(dict)
         """tag -> step -> value (a replayed step overwrites)."""
-        self._writer = None
+        self._writer: SummaryWriter | None = None
         """The TensorBoard writer, opened at the first write: a run that dies while starting leaves no folder."""
         self._purge_step: int | None = None
         self._wandb = None

@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 
-from megatron_dapo.sandbox.types import SandboxConfig, SandboxUnavailable, ToolResult
+from megatron_dapo.sandbox.types import SandboxConfig, SandboxUnavailable, Status, ToolResult
 
 
 BACKOFF_S = 0.5  # the first retry's wait; doubles, at most 8 s
@@ -39,6 +39,7 @@ def to_result(body: dict, cfg: SandboxConfig, seconds: float) -> ToolResult:
     stderr, cut_err = _text(run.get("stderr"), cfg.max_output_bytes)
     rc = run.get("return_code")
     state = run.get("status")
+    status: Status
     if state == "TimeLimitExceeded":
         status, reason = "timeout", f"wall time {cfg.timeout_s:g} s (service)"
     elif cut_out or cut_err:

@@ -8,9 +8,10 @@ import selectors
 import signal
 import subprocess
 import time
+from typing import IO, cast
 
 from megatron_dapo.sandbox.bwrap import INSTALL_HINT, bwrap_path, launch
-from megatron_dapo.sandbox.types import SandboxConfig, SandboxUnavailable, ToolResult
+from megatron_dapo.sandbox.types import SandboxConfig, SandboxUnavailable, Status, ToolResult
 
 _CHUNK = 65536
 
@@ -41,7 +42,7 @@ def _collect(proc: subprocess.Popen, cfg: SandboxConfig, deadline: float) -> tup
                 if not data:
                     sel.unregister(key.fileobj)
                     continue
-                buf = bufs[key.fileobj]
+                buf = bufs[cast(IO[bytes], key.fileobj)]
                 buf += data[: cfg.max_output_bytes + 1 - len(buf)]
                 if len(buf) > cfg.max_output_bytes:
                     del buf[cfg.max_output_bytes:]
@@ -51,7 +52,7 @@ def _collect(proc: subprocess.Popen, cfg: SandboxConfig, deadline: float) -> tup
     return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), why
 
 
-def _status(rc: int, why: str, cfg: SandboxConfig) -> tuple[str, str]:
+def _status(rc: int, why: str, cfg: SandboxConfig) -> tuple[Status, str]:
     if why:
         return ("timeout" if why.startswith("wall") else "killed"), why
     if rc == 0:
