@@ -172,6 +172,17 @@ def test_the_first_screen_is_what_ci_runs():
         assert got == first.strip(), (marker, got)
 
 
+def test_the_first_screen_names_the_cpu_wheel_for_plain_pypi_and_runs_without_the_dev_extra():
+    """Issue 41: on plain PyPI `torch==2.13.0` is the CUDA build, so the first screen names PyTorch's CPU index (CI's
+    machines keep the CPU wheel on disk and reach no other index, so the ci lines themselves do not use it); running
+    installs the package alone, the tests `.[dev]`."""
+    first_screen = "\n".join(README.read_text().splitlines()[:35])
+    assert "--index-url https://download.pytorch.org/whl/cpu" in first_screen
+    fences = dict(CI_FENCES)
+    assert "pip install -e . " in fences["<!-- ci:run -->"] and "[dev]" not in fences["<!-- ci:run -->"]
+    assert '".[dev]"' in fences["<!-- ci:test -->"]
+
+
 def test_every_source_path_the_readme_names_exists():
     """`megatron_dapo/...`, `examples/...`, `tools/...` in code spans name real files or folders."""
     named = set(re.findall(r"`((?:megatron_dapo|examples|tools)/[\w./-]*)`", README.read_text()))
