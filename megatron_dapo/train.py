@@ -152,6 +152,8 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
         groups = distribute.trainable(groups, run.num_mini_batches)  # whole mini-batches on every DP rank
         out.update({**rollout.scalars(), "rollout/groups_trained": float(len(groups))})
         batch = train_batch(run, groups) if groups else None
+        if not groups:  # the sampled responses of this step are written too (RunState.wants_samples)
+            log.warning("step %d: %s", step, monitors.why_no_signal(rollout.generated, cfg.reward.answer_fallback))
     generated = rollout.samples_generated if rollout is not None else 0  # the rollout budget: every rank checks it
     run.samples_generated += int(parallel.from_driver(f"samples/{step}", str(generated)))
     batch, moved = distribute.scatter(batch)

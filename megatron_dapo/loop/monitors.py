@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_dapo import parallel
-from megatron_dapo.types import TrainBatch
+from megatron_dapo.types import Group, TrainBatch
 
 
 @dataclass(frozen=True)
@@ -53,3 +53,25 @@ def step_timings(phase_seconds: dict[str, float], step_seconds: float, tokens: i
     out["timing/step_s"] = step_seconds
     out["perf/tokens_per_s"] = tokens / step_seconds if step_seconds > 0 else 0.0
     return out
+
+
+def why_no_signal(generated: list[Group], answer_fallback: str) -> str:
+    """One line for a step whose groups were all uniform (nothing to learn from): what the responses scored and
+    the most likely fix, so that a run that cannot learn says so at its first step."""
+    samples = [s for g in generated for s in g.samples]
+    n, correct = len(samples), sum(s.acc for s in samples)
+    no_answer = sum(s.pred is None for s in samples)
+    solved = sum(bool(g.samples) and all(s.acc for s in g.samples) for g in generated)
+    head = (f"no informative group: {correct} of {n} responses correct, {no_answer} gave no answer the reward "
+            f"could read; {solved} of {len(generated)} groups all correct")
+    if n and 2 * no_answer >= n:
+        fix = ("most responses give no answer in the rewarded form: try a prompt template or system prompt that "
+               "asks for it (data.prompt_template, data.system_prompt)"
+               + ("" if answer_fallback != "none" else " or reward.answer_fallback=boxed"))
+    elif generated and solved == len(generated):
+        fix = "every group solved: harder prompts or a larger algo.group_size"
+    elif correct == 0:
+        fix = "the answers are read but wrong: an easier task, or a larger algo.group_size for a rare success"
+    else:
+        fix = "a larger algo.group_size or algo.max_gen_rounds gives mixed groups more chances"
+    return f"{head}: {fix}"

@@ -94,12 +94,13 @@ class RunState:
         return self.has_val and every > 0 and (step % every == 0 or step == self.cfg.train.steps)
 
     def wants_samples(self, step: int) -> bool:
+        """Every logging.samples_every steps, and step 1 whatever it says: what the model says, seen at once."""
         every = self.cfg.logging.samples_every
-        return every > 0 and step % every == 0
+        return step == 1 or (every > 0 and step % every == 0)
 
     def write_samples(self, step: int, split: str, groups: list[Group]) -> None:
         """Driver: a few responses of `groups` to samples/step_<k>.jsonl and TensorBoard text (val: at
-        every evaluation; train: every logging.samples_every steps)."""
+        every evaluation; train: step 1 and every logging.samples_every steps)."""
         if not self.is_driver or (split == "train" and not self.wants_samples(step)):
             return
         records = sample_records(groups, self.tokenizer, self.cfg.logging.samples_per_step, step, split)
