@@ -321,7 +321,8 @@ class Actor(Residency):
         self.scheduler.step(1)  # warm-up counts this update: update k uses lr * (k+1) / warmup_steps
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        with self._routing("replay" if self.routing_replay != "none" and mini.routes is not None else None):
+        routing = None if mini.routes is None else "replay" if self.routing_replay != "none" else "compare"
+        with self._routing(routing):
             self._forward(micro, loss_func, forward_only=False)
         metrics = self._reduce_stats(stats)
         if metrics["nonfinite"]:

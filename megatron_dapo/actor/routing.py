@@ -48,6 +48,9 @@ class TrackedReplay(RouterReplay):
         self.router_replay_action: RouterReplayAction | None = None
         self.replay_backward_list: list[torch.Tensor] = []
         self.num_experts = num_experts
+        self.compare_only = False
+        self.counted = torch.zeros(0, dtype=torch.bool)
+        """With REPLAY_FORWARD: count agreement with the target, but route by the router's own top-k."""
         self.reset_counts()
 
     def reset_counts(self) -> None:
@@ -60,10 +63,14 @@ class TrackedReplay(RouterReplay):
             _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
             target = self.target_topk_idx.to(scores.device).long()
             self.target_topk_idx = target
-            same = own.sort(-1).values == target.sort(-1).values
-            self.agreeing += int(same.all(-1).sum())
-            self.replayed += int(own.shape[0])
-        probs, idx = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+            same = (own.sort(-1).values == target.sort(-1).values).all(-1)
+            counted = self.counted.to(scores.device)  # a row's tokens, not padding or a filler
+            self.agreeing += int((same & counted).sum())
+            self.replayed += int(counted.sum())
+        if self.compare_only and self.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+            probs, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        else:
+            probs, idx = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
         self.load += torch.bincount(idx.detach().flatten().cpu(), minlength=self.num_experts).double()
         return probs, idx
 
@@ -112,13 +119,16 @@ class Routers:
     def record(self) -> None:
         self._act(RouterReplayAction.RECORD)
 
-    def replay(self, routes: torch.Tensor) -> None:
-        """Replay `routes` [tokens, layers, top_k] in the next forward (the model's token order)."""
+    def replay(self, routes: torch.Tensor, counted: torch.Tensor, compare_only: bool = False) -> None:
+        """Replay `routes` [tokens, layers, top_k] in the next forward (the model's token order); `counted`
+        [tokens] bool: the tokens whose agreement counts; `compare_only`: route freely, only counting how often
+        the routers' own choice equals `routes`."""
         if routes.shape[1:] != (len(self.replays), self.top_k):
             raise ValueError(f"routes of shape {tuple(routes.shape)} for {len(self.replays)} MoE layers of "
                              f"top-{self.top_k}")
         for layer, r in enumerate(self.replays):
             r.target_topk_idx = routes[:, layer]
+            r.compare_only, r.counted = compare_only, counted
         self._act(RouterReplayAction.REPLAY_FORWARD)
 
     def off(self) -> None:
@@ -179,20 +189,24 @@ def routes_to_rows(mb: MicroBatch, recorded: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def routes_to_model(mb: MicroBatch, routes: torch.Tensor) -> torch.Tensor:
-    """`mb`'s rows' routes [rows, width, layers, k] -> [tokens, layers, k] in the model's order; positions
-    that are no row's token (padding, a filler) get experts 0..k-1."""
+def routes_to_model(mb: MicroBatch, routes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mb`'s rows' routes [rows, width, layers, k] -> ([tokens, layers, k], [tokens] bool: a row's token) in the
+    model's order; positions that are no row's token (padding) get experts 0..k-1."""
     n, length = mb.model_shape
     k = routes.shape[-1]
     flat = torch.arange(k, dtype=routes.dtype).expand(n * length, routes.shape[2], k).clone()
+    real = torch.zeros(n * length, dtype=torch.bool)
     where, valid = _row_positions(mb)
     flat[where[valid]] = routes[:, : where.shape[1]][valid]
-    return flat[model_token_order(mb.model_shape)]
+    real[where[valid]] = True
+    order = model_token_order(mb.model_shape)
+    return flat[order], real[order]
 
 
 class RouteKeeper:
-    """The actor's side of routing: per pass a mode (record / replay / free), per micro-batch the routers set
-    before its forward and its recorded routes taken after, and the moe/* monitors."""
+    """The actor's side of routing: per pass a mode (record / replay / compare: route freely, counting agreement
+    with the given routes / free), per micro-batch the routers set before its forward and its recorded routes
+    taken after, and the moe/* monitors."""
 
     def __init__(self, model: torch.nn.Module, num_experts: int, top_k: int, *, sequence_parallel: bool) -> None:
         self.routers = Routers(model, num_experts, top_k)
@@ -212,14 +226,17 @@ class RouteKeeper:
         """Set the routers for `mb`'s forward: record, replay mb.routes (a filler: experts 0..k-1), or free."""
         if self._mode == "record":
             self.routers.record()
-        elif self._mode == "replay":
+        elif self._mode in ("replay", "compare"):
             n, length = mb.model_shape
             k, layers = self.routers.top_k, len(self.routers)
-            routes = torch.arange(k).expand(n * length, layers, k) if mb.routes is None or mb.filler \
-                else routes_to_model(mb, mb.routes)
+            if mb.routes is None or mb.filler:
+                routes, counted = torch.arange(k).expand(n * length, layers, k), torch.zeros(n * length, dtype=torch.bool)
+            else:
+                routes, counted = routes_to_model(mb, mb.routes)
             if self.sp:
-                routes = routes[tp_slice(n * length, parallel.tp_rank(), parallel.tp_size())]
-            self.routers.replay(routes)
+                mine = tp_slice(n * length, parallel.tp_rank(), parallel.tp_size())
+                routes, counted = routes[mine], counted[mine]
+            self.routers.replay(routes, counted, compare_only=self._mode == "compare" or not bool(counted.any()))
         else:
             self.routers.off()
 

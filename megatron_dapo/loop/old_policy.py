@@ -89,7 +89,7 @@ def old_logprobs(actor: Actor, batch: TrainBatch,
     (the prompt's read 0: the loss, the correction and the monitors read responses only)."""
     if source.source == "rollout":
         return batch.rollout_logprobs.clone(), None
-    return actor.compute_logprobs(batch, responses_only=True, record_routes=actor.routing_replay == "r2")
+    return actor.compute_logprobs(batch, responses_only=True, record_routes=actor.routes is not None)
 
 
 def apply_rollout_correction(batch: TrainBatch, algo: AlgoConfig, correction: str) -> dict[str, float]:
