@@ -155,6 +155,29 @@ def test_without_replay_the_update_routes_by_itself_and_counts_agreement(hf_dir)
     assert m["approx_kl"] > 1e-6 and m["moe/routing_agreement"] < 0.5  # replayed: approx_kl < 1e-10
 
 
+@pytest.mark.usefixtures("one_rank")
+def test_r2_replays_exactly_in_a_shared_prefix_layout(hf_dir):
+    """A group's rows share their prompt (actor.shared_prefix): each row's own copy of the prompt's last token
+    (its segment's start, which no statistic reads) replays that token's experts too. Before, it took experts
+    0..k-1 and moved its segment's tokens: the first r2 update's ratio was not 1 (approx_kl 0.015, agreement
+    0.994 on the tiny MoE base)."""
+    actor = _actor(hf_dir, "r2")
+    assert actor.shared_prefix
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, VOCAB - 1, (7,), generator=g)
+    rows = [torch.cat([prompt, torch.randint(0, VOCAB - 1, (n,), generator=g)]) for n in (3, 6, 4, 5)]
+    ids = torch.zeros(4, 13, dtype=torch.long)
+    mask = torch.zeros(4, 13)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, 7 : len(r)] = r, 1.0
+    batch = TrainBatch(input_ids=ids, loss_mask=mask, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+                       lengths=torch.tensor([len(r) for r in rows]), prompt_index=torch.zeros(4, dtype=torch.long),
+                       response_mask=mask.clone())
+    batch.old_logprobs, _ = actor.compute_logprobs(batch, responses_only=True, record_routes=True)
+    m = actor.train_step(batch)
+    assert m["approx_kl"] < 1e-10 and m["moe/routing_agreement"] == 1.0, m
+
+
 def test_r2_is_refused_on_a_dense_model(tmp_path):
     from megatron_dapo.actor.actor import Actor
     from megatron_dapo.actor.model import spec_from_hf

@@ -197,7 +197,13 @@ def routes_to_model(mb: MicroBatch, routes: torch.Tensor) -> tuple[torch.Tensor,
     flat = torch.arange(k, dtype=routes.dtype).expand(n * length, routes.shape[2], k).clone()
     real = torch.zeros(n * length, dtype=torch.bool)
     where, valid = _row_positions(mb)
-    flat[where[valid]] = routes[:, : where.shape[1]][valid]
+    routes = routes[:, : where.shape[1]]
+    # A row's token t is the input at the position before its token t + 1's: in a shared-prefix unit that is
+    # also each later row's own copy of the prompt's last token (its segment's start, which `where` skips).
+    follows = valid[:, 1:]
+    flat[(where[:, 1:] - 1)[follows]] = routes[:, :-1][follows]
+    real[(where[:, 1:] - 1)[follows]] = True
+    flat[where[valid]] = routes[valid]
     real[where[valid]] = True
     order = model_token_order(mb.model_shape)
     return flat[order], real[order]
