@@ -76,6 +76,7 @@ def test_start_up_enables_it_before_the_process_group(monkeypatch):
 
     monkeypatch.setattr(determinism, "enable", lambda: order.append("determinism"))
     monkeypatch.setattr(parallel, "initialize", initialize)
+    monkeypatch.setattr(build, "check_inputs", lambda cfg: (None, None))  # no model or data needed here
     cfg = Config()
     cfg.train.deterministic = True
     with pytest.raises(Stop):
