@@ -13,6 +13,9 @@ REPO = Path(__file__).resolve().parents[1]
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# .ci/run's cache of built bases serves README command 1; the tests build (or stub) their own bases.
+os.environ.pop("MEGATRON_DAPO_BASE_CACHE", None)
+
 
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests only run where CUDA exists; elsewhere they are reported as skipped, never silent."""

@@ -266,6 +266,23 @@ def test_ensure_rebuilds_a_base_of_an_older_recipe(tmp_path, stub_training, old_
     assert ensure_tiny_base(out) == out and (out / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+def test_a_cached_base_is_copied_not_rebuilt(tmp_path, stub_training, monkeypatch, capsys):
+    """MEGATRON_DAPO_BASE_CACHE (.ci/run's): the first use builds and fills the cache, the next checkout copies it;
+    a cache entry of another fingerprint is not used."""
+    monkeypatch.setenv(tiny_base.CACHE_ENV, str(tmp_path / "cache"))
+    ensure_tiny_base(tmp_path / "a")
+    assert "building the tiny base" in capsys.readouterr().out
+    entry = next((tmp_path / "cache").iterdir())
+    assert entry.name.startswith(tiny_base.recipe_fingerprint()) and (entry / "base_info.json").is_file()
+    ensure_tiny_base(tmp_path / "b")
+    assert "copying the tiny base" in capsys.readouterr().out
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() == (tmp_path / "a" / "model.safetensors").read_bytes()
+    info = json.loads((entry / "base_info.json").read_text())
+    (entry / "base_info.json").write_text(json.dumps({**info, "recipe_fingerprint": "0-other"}))
+    ensure_tiny_base(tmp_path / "c")
+    assert "building the tiny base" in capsys.readouterr().out
+
+
 def test_a_change_of_the_settings_defaults_rebuilds(tmp_path, stub_training, monkeypatch):
     out = tmp_path / "tb"
     ensure_tiny_base(out)

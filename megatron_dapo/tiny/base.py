@@ -261,10 +261,40 @@ def ensure_base(recipe: Recipe, out: str | Path, seconds: float | None = None, *
         if why is not None:
             settings = replace(recipe.settings, seed=seed,
                                seconds=recipe.settings.seconds if seconds is None else seconds)
+            cached = _cached(recipe, settings)
+            if cached is not None and _outdated(cached, recipe) is None:
+                print(f"copying the {recipe.name} model from {cached} ({why}; {CACHE_ENV} is set)", flush=True)
+                _copy_into(cached, out)
+                return out
             print(f"building the {recipe.name} model in {out} ({why}; <= {settings.seconds:.0f} s of training)",
                   flush=True)
             build_tiny_base(out, settings, force=(out / INFO_FILE).is_file(), recipe=recipe)
+            if cached is not None:
+                _copy_into(out, cached)
     return out
+
+
+CACHE_ENV = "MEGATRON_DAPO_BASE_CACHE"
+"""A folder of built bases, one per recipe fingerprint, seed and time limit, that ensure_base copies from instead of
+building (and fills after a build). Unset (the default): every checkout builds its own. .ci/run sets it, so that
+each CI run does not spend minutes rebuilding the same base."""
+
+
+def _cached(recipe: Recipe, settings: Settings) -> Path | None:
+    root = os.environ.get(CACHE_ENV)
+    if not root:
+        return None
+    return Path(root) / f"{recipe.fingerprint()}-seed{settings.seed}-{settings.seconds:g}s"
+
+
+def _copy_into(src: Path, dst: Path) -> None:
+    """`dst` becomes a copy of `src`, whole or not at all (a copy beside it, then renamed into place)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.copy-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
 
 
 def _outdated(out: Path, recipe: Recipe) -> str | None:
