@@ -89,7 +89,8 @@ def test_dry_run_and_config_errors(python_env, base_dir):
 def test_missing_base_model_is_a_clear_error(tmp_path, python_env):
     r = subprocess.run([sys.executable, "-m", "megatron_dapo.train", "--config",
                         str(REPO / "examples/configs/tiny_cpu.yaml"), f"model.hf_dir={tmp_path / 'nope'}"],
-                       capture_output=True, text=True, env=python_env, timeout=300)
+                       capture_output=True, text=True, env=python_env, timeout=300, cwd=tmp_path)
+    # (cwd: not the checkout, where CI's README command 1 has left a finished tiny_cpu run: "nothing to train")
     assert r.returncode == 2 and str((tmp_path / "nope").resolve()) in r.stderr, r.stderr
     assert "make_tiny_base" not in r.stderr  # only the tiny base can be built for you
 
