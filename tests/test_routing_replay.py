@@ -80,6 +80,13 @@ def _hf_pass(hf_dir, batch: TrainBatch, forced: torch.Tensor | None = None):
     return lp, routes
 
 
+def _random_routes(batch: TrainBatch) -> torch.Tensor:
+    """[B, S, layers, k]: k distinct experts per (token, layer), seeded, mostly not the routers' own."""
+    n = batch.input_ids.numel() * LAYERS
+    picks = [torch.randperm(EXPERTS, generator=torch.Generator().manual_seed(t))[:TOP_K] for t in range(n)]
+    return torch.stack(picks).view(*batch.input_ids.shape, LAYERS, TOP_K)
+
+
 def _actor(hf_dir, replay: Literal["none", "r2"]):
     from megatron_dapo.actor.actor import Actor
 
@@ -124,9 +131,7 @@ def test_r2_records_transformers_routes_and_the_update_replays_given_ones_exactl
     assert torch.allclose(lp, hf_lp, atol=1e-5)
 
     # other experts than the router's own: the update replays them, so it computes transformers' forced policy
-    forced = torch.stack([torch.randperm(EXPERTS, generator=torch.Generator().manual_seed(t))[:TOP_K]
-                          for t in range(batch.input_ids.numel() * LAYERS)]).view(*batch.input_ids.shape, LAYERS,
-                                                                                   TOP_K)
+    forced = _random_routes(batch)
     forced_lp, _ = _hf_pass(hf_dir, batch, forced)
     assert (forced_lp - hf_lp).abs().max() > 1e-2  # the forced routes change the policy
     batch.routes, batch.old_logprobs = forced.to(torch.uint8), forced_lp
@@ -206,9 +211,7 @@ def test_r2_replays_exactly_at_ep2_and_pp2(hf_dir, tmp_path, env, layout):
     from megatron_dapo.parallel import free_port
 
     batch = _batch()
-    forced = torch.stack([torch.randperm(EXPERTS, generator=torch.Generator().manual_seed(t))[:TOP_K]
-                          for t in range(batch.input_ids.numel() * LAYERS)]).view(*batch.input_ids.shape, LAYERS,
-                                                                                   TOP_K)
+    forced = _random_routes(batch)
     batch.old_logprobs, _ = _hf_pass(hf_dir, batch, forced)
     batch.routes = forced.to(torch.uint8)
     torch.save(batch, tmp_path / "batch.pt")
