@@ -18,6 +18,7 @@ from pathlib import Path
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import NonFiniteWeightsError
 from megatron_dapo.actor.checkpoint import CheckpointError, latest_checkpoint, step_dir, step_of
+from megatron_dapo.actor.checkpoint_files import verify
 from megatron_dapo.algo.advantages import group_advantages
 from megatron_dapo.algo.policy_losses import policy_loss_spec
 from megatron_dapo.algo.train_batch import build_train_batch, group_rewards, overlong_weights
@@ -73,8 +74,8 @@ def already_trained(cfg: Config) -> str | None:
     root = Path(cfg.checkpoint.dir) / cfg.logging.run_name
     last = latest_checkpoint(root) if cfg.checkpoint.resume == "auto" else None
     exported = not cfg.checkpoint.export_hf or (root / "hf_final" / "config.json").is_file()
-    if last is None or step_of(last) < cfg.train.steps or not exported:
-        return None
+    if last is None or step_of(last) < cfg.train.steps or not exported or verify(last) is not None:
+        return None  # a corrupt newest checkpoint is set aside by the resume, which then trains from an older one
     return (f"{root} already holds step {step_of(last)} and train.steps={cfg.train.steps}; to start fresh, "
             "give the run another logging.run_name (or replace it: checkpoint.resume=none "
             "checkpoint.overwrite=true); to continue it, raise train.steps")

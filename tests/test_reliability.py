@@ -77,6 +77,7 @@ def test_reusing_a_run_name_is_refused_unless_overwrite(base_dir, straight, tmp_
 @pytest.mark.slow
 def test_resume_auto_with_another_config_warns_loudly(base_dir, straight, tmp_path, env):
     shutil.copytree(folder_of(straight, "straight"), folder_of(tmp_path, "other"))
+    shutil.rmtree(folder_of(tmp_path, "other") / "step_00000003")  # a finished run has nothing to train: resume at 2
     r = run(train_cmd(base_dir, tmp_path, "other", *STEPS, "train.seed=2", "checkpoint.export_hf=false"), env)
     assert r.returncode == 0, r.stderr[-4000:]
     warning = [ln for ln in r.stderr.splitlines() if "DIFFERENT CONFIG" in ln]

@@ -121,8 +121,12 @@ def test_rerunning_a_finished_run_says_so(tmp_path, capsys):
     from megatron_dapo.loop.preflight import SetupError
     from megatron_dapo.train import train
 
+    from megatron_dapo.actor.checkpoint_files import write_manifest
+
     root = tmp_path / "ckpt" / "done"
     (step_dir(root, 40)).mkdir(parents=True)
+    (step_dir(root, 40) / "model.bin").write_bytes(b"weights")
+    write_manifest(step_dir(root, 40), collective=False)
     (step_dir(root, 40) / "COMPLETE").touch()
     def cfg(steps):
         return load_config(None, [f"checkpoint.dir={tmp_path / 'ckpt'}", "logging.run_name=done", f"train.steps={steps}",
@@ -142,11 +146,14 @@ def test_rerunning_a_finished_run_says_so(tmp_path, capsys):
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and "step 40" in err and f"train.steps={steps}" in err, err
         assert "logging.run_name" in err and "checkpoint.resume=none" in err, err
-    with pytest.raises(SetupError):  # more steps: it continues
-        try:
-            train(cfg(41))
-        finally:
-            parallel.destroy()
+    for corrupt in (False, True):  # more steps: it continues; a corrupt newest one is skipped by the resume
+        if corrupt:
+            (step_dir(root, 40) / "model.bin").write_bytes(b"weigh")
+        with pytest.raises(SetupError):
+            try:
+                train(cfg(41 if not corrupt else 40))
+            finally:
+                parallel.destroy()
 
 
 @pytest.mark.slow
