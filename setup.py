@@ -42,9 +42,10 @@ setup(
         # math / wandb: the tests of reward.name=math_verify and logging.wandb (offline) need them, so dev
         # takes them too; neither pulls in another torch (checked with pip install --dry-run here).
         # mypy: .ci/run's type check ([tool.mypy] in pyproject.toml); clean with 2.4.1. A new minor release
-        # adds checks, so the range stops before the next one.
-        "dev": ["pytest>=9.0,<10", "hypothesis>=6.155,<7", "pytest-timeout>=2.4,<3", "triton>=3.7.1,<3.10",
-                "math-verify>=0.9.0,<0.10", "wandb>=0.31.0,<0.32", "mypy>=2.4.1,<2.5"],
+        # adds checks, so the range stops before the next one. pytest-xdist: the README's test command runs
+        # the test files on every core (pyproject's addopts: --dist loadfile); tested 3.8.0.
+        "dev": ["pytest>=9.0,<10", "hypothesis>=6.155,<7", "pytest-timeout>=2.4,<3", "pytest-xdist>=3.8,<4",
+                "triton>=3.7.1,<3.10", "math-verify>=0.9.0,<0.10", "wandb>=0.31.0,<0.32", "mypy>=2.4.1,<2.5"],
         "triton": ["triton>=3.7.1,<3.10"],
         "math": ["math-verify>=0.9.0,<0.10"],  # reward.name=math_verify (Hugging Face's math-verify)
         "wandb": ["wandb>=0.31.0,<0.32"],  # logging.wandb: W&B beside TensorBoard

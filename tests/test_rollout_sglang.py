@@ -309,6 +309,23 @@ def test_released_weights_are_lost_until_synced_again(engine, hf):
 
 @pytest.mark.sglang
 @SGLANG_TIMEOUT
+def test_an_idle_server_takes_no_cpu(engine):
+    """Without --sleep-on-idle the scheduler polls in a loop and takes a whole core while the trainer works."""
+    import psutil
+
+    procs = [psutil.Process(engine.pid), *psutil.Process(engine.pid).children(recursive=True)]
+    assert engine.health()
+    time.sleep(2.0)  # the health request's work is done
+
+    def busy() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in procs if p.is_running())
+
+    before, t0 = busy(), time.monotonic()
+    time.sleep(4.0)
+    share = (busy() - before) / (time.monotonic() - t0)
+    assert share < 0.25, f"the idle server's processes took {share:.0%} of a core"
+
+
 def test_sleep_wake_abort_health(engine, hf):
     assert engine.health()
     engine.sleep()

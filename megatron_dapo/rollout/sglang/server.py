@@ -152,6 +152,7 @@ class SGLangServer:
             dtype,
             "--tp-size",
             str(self.cfg.tensor_parallel),
+            "--sleep-on-idle",  # else an idle scheduler spins a CPU core, taken from the trainer beside it
         ]
         if self.device == "cpu":
             cmd += [
