@@ -29,7 +29,12 @@ def server_ports(n: int = 1) -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
-    candidates = [*range(20000, 22000 - n + 1), *range(30000, low - n + 1)]
+    candidates = [*range(20000, 22000 - n + 1), *range(30100, low - n + 1)]  # 30000: SGLangConfig's default
+    # Under pytest-xdist each worker draws from its own blocks of 100 ports: a port another worker found free
+    # a moment ago is not taken by its server before it binds it.
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
+    candidates = [p for p in candidates if (p // 100) % workers == worker and (p + n - 1) // 100 == p // 100]
     rng = random.Random()
     for _ in range(200):
         port = rng.choice(candidates)
@@ -45,7 +50,7 @@ def server_ports(n: int = 1) -> int:
             for s in socks:
                 s.close()
         return port
-    raise RuntimeError(f"no {n} consecutive free ports in 20000-21999 or 30000-{low - 1}")
+    raise RuntimeError(f"no {n} consecutive free ports in 20000-21999 or 30100-{low - 1}")
 
 
 FAKE_SERVER = textwrap.dedent("""
