@@ -31,7 +31,7 @@ from megatron_dapo.loop.evaluation import validate as run_validation
 from megatron_dapo.loop.inputs import check_inputs
 from megatron_dapo.loop.old_policy import apply_rollout_correction, old_logprobs
 from megatron_dapo.loop.preempt import Preempted, StartInterrupted, StopSignals
-from megatron_dapo.loop.startup import pace_line
+from megatron_dapo.loop.report import pace_line
 from megatron_dapo.loop.state import RunState
 from megatron_dapo.loop.weight_probe import WeightSyncError
 from megatron_dapo.loop.weight_sync import SyncStats

@@ -287,7 +287,7 @@ def test_a_name_cannot_be_taken_twice():
 
 def test_the_start_up_summary_names_the_loss_and_where_it_runs():
     from megatron_dapo.config import load_config
-    from megatron_dapo.loop.startup import policy_loss_line
+    from megatron_dapo.loop.report import policy_loss_line
 
     def line(*overrides):
         return policy_loss_line(load_config(None, list(overrides)))

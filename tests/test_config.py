@@ -308,7 +308,7 @@ def test_a_resumed_run_may_change_only_what_the_fields_say():
 
 
 def test_the_pace_after_the_first_step_is_hand_arithmetic():
-    from megatron_dapo.loop.startup import pace_line
+    from megatron_dapo.loop.report import pace_line
 
     first = {"timing/rollout_s": 3.0, "timing/update_s": 6.0, "timing/reward_s": 0.01, "timing/step_s": 10.0,
              "timing/eval_s": 30.0, "train/acc_mean": 0.5}

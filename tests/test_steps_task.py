@@ -1,4 +1,4 @@
-"""The multi-step task (megatron_dapo.data.steps) and the steps base's warm-start data
+"""The multi-step task (megatron_dapo.data.steps_task) and the steps base's warm-start data
 (megatron_dapo.tiny.steps_data, steps_base): answers checked against an independent left-to-right
 evaluator, the difficulty knob, the split, the styles and what the DAPO reward makes of them."""
 
@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from megatron_dapo.data import load_prompts
-from megatron_dapo.data.steps import chain_of, make_steps_prompts, parse_chain, split_of, worked_solution
+from megatron_dapo.data.steps_task import chain_of, make_steps_prompts, parse_chain, split_of, worked_solution
 from megatron_dapo.reward.math_dapo import compute_score
 from megatron_dapo.tiny import base as tiny_base
 from megatron_dapo.tiny import steps_data as sd

@@ -145,7 +145,7 @@ def test_an_error_stops_the_mirror_not_the_run(tmp_path, caplog):
 
 
 def test_a_missing_package_is_named_with_its_install_line(tmp_path, monkeypatch):
-    from megatron_dapo.wandb_mirror import WandbSetupError
+    from megatron_dapo.metrics.wandb_mirror import WandbSetupError
 
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(WandbSetupError, match=r"pip install \"megatron-dapo\[wandb\]\""):

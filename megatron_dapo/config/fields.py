@@ -15,7 +15,7 @@ REWARD_FUNCTION = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 POLICY_LOSSES = ("dapo", "gspo", "cispo", "dr_grpo")
 """The built-in policy losses (algo/policy_losses.py registers them, in this order)."""
 REWARDS = ("math_dapo", "math_verify")
-"""The built-in verifiers (reward/custom.py)."""
+"""The built-in verifiers (reward/verifiers.py)."""
 PROMPT_TEMPLATES = ("auto", "dapo_math", "gsm8k", "raw")
 """data.prompt_template's built-in names (data/templates.py holds the templates)."""
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_dapo.data.arithmetic import arithmetic_from_query
-from megatron_dapo.data.steps import steps_from_query
+from megatron_dapo.data.steps_task import steps_from_query
 from megatron_dapo.data.templates import DAPO_MATH_TEMPLATE, PromptFormat
 from megatron_dapo.types import Prompt
 

@@ -26,13 +26,13 @@ from megatron_dapo.loop.phases import Phases
 from megatron_dapo.loop.inputs import check_inputs
 from megatron_dapo.loop.preflight import SetupError, checkpoint_bytes
 from megatron_dapo.loop.prompts import load_train_prompts, load_val_prompts
-from megatron_dapo.loop.startup import StartupReport, system_prompt_note
+from megatron_dapo.loop.report import StartupReport, system_prompt_note
 from megatron_dapo.loop.state import RunState
 from megatron_dapo.loop.weight_probe import WeightProbe
 from megatron_dapo.metrics import Alarms, MetricsWriter
 from megatron_dapo.reward import RewardLoadError, Scorer
 from megatron_dapo.rollout.step.pipeline import RolloutPipeline
-from megatron_dapo.wandb_mirror import import_wandb
+from megatron_dapo.metrics.wandb_mirror import import_wandb
 
 log = logging.getLogger(__name__)
 

@@ -35,10 +35,6 @@ class Phase:
     engine: tuple[str, ...]
     actor_transient: tuple[str, ...] = ()
 
-    @property
-    def actor_on_device(self) -> bool:
-        return bool(self.actor)
-
 
 def phase_model(*, colocate: bool, offload_when_idle: bool) -> dict[str, Phase]:
     """The protocol for a config: rollout.colocate, actor.offload_when_idle. Without colocation the

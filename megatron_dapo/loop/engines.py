@@ -16,7 +16,7 @@ from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
 from megatron_dapo.actor.model import param_dtype
 from megatron_dapo.config import Config, ModelConfig
-from megatron_dapo.loop.startup import StartupReport
+from megatron_dapo.loop.report import StartupReport
 from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.rollout.step.pipeline import engine_threads
 

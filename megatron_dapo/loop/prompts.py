@@ -11,7 +11,7 @@ from megatron_dapo.data import PromptFormat, load_prompts
 from megatron_dapo.data.datasets import PROMPT_TOO_MANY_TOKENS, LoadResult
 from megatron_dapo.data.render import render_prompt_ids
 from megatron_dapo.loop.preflight import SetupError
-from megatron_dapo.loop.startup import StartupReport
+from megatron_dapo.loop.report import StartupReport
 from megatron_dapo.types import Prompt
 
 log = logging.getLogger(__name__)

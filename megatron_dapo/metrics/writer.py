@@ -45,7 +45,7 @@ class MetricsWriter:
         self._wandb = None
         self._sample_steps: set[int] = set()
         if enabled and wandb is not None and wandb.enabled:
-            from megatron_dapo.wandb_mirror import WandbMirror
+            from megatron_dapo.metrics.wandb_mirror import WandbMirror
 
             self._wandb = WandbMirror(wandb, self.logdir, self.logdir.name, run_config or {})
 

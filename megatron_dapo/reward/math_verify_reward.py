@@ -10,7 +10,7 @@ verifies them equal with sympy: ``\\frac{1}{2}`` = ``0.5``, ``\\sqrt{8}`` = ``2\
 math_dapo; `pred` is math_dapo's normalised string (maj@k votes on it).
 
 math-verify's own timeouts use SIGALRM, which would cancel the timer reward.timeout_s runs on (the Verifier
-in custom.py: the same timeout, failure counting and RewardResult as a user's function), so they are off
+in verifiers.py: the same timeout, failure counting and RewardResult as a user's function), so they are off
 here and reward.timeout_s bounds the whole call. A timeout interrupts Python code only: a single
 arbitrary-precision operation in C finishes first.
 """
@@ -58,7 +58,7 @@ def math_verify_score(response: str, ground_truth: str, sample: Any = None, *,
                       answer_fallback: AnswerFallback = "none") -> RewardResult:
     """+1 if the answer line matches by math_dapo's rule or by math-verify's equivalence, else -1.
 
-    May raise or run long on adversarial input: call it through reward.custom.Verifier (timeout, failures).
+    May raise or run long on adversarial input: call it through reward.verifiers.Verifier (timeout, failures).
     """
     rule = compute_score(response, ground_truth, answer_fallback=answer_fallback)
     found = extract_answer_text(response, answer_fallback) if isinstance(response, str) else None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_dapo.config import RewardConfig
-from megatron_dapo.reward.custom import Verifier
+from megatron_dapo.reward.verifiers import Verifier
 from megatron_dapo.reward.overlong import soft_overlong_penalty
 from megatron_dapo.types import Sample
 

@@ -1,7 +1,7 @@
 """The steps base: the policy the DAPO study starts from (examples/configs/study_dapo_small.yaml).
 
 A character-level Qwen2 like the tiny base, warm-started on the multi-step task
-(`megatron_dapo.data.steps`, chains of 1-7 operations) with mixed answer styles (`steps_data`), so
+(`megatron_dapo.data.steps_task`, chains of 1-7 operations) with mixed answer styles (`steps_data`), so
 that sampled at T=1 it is right in a minority of responses, of lengths from 4 tokens to past the
 study's 80-token budget:
 

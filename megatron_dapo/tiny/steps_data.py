@@ -1,5 +1,5 @@
 """The warm-start data of the steps base (`megatron_dapo.tiny.steps_base`): the multi-step task
-(`megatron_dapo.data.steps`) answered in one of four styles, redrawn every time an example is used:
+(`megatron_dapo.data.steps_task`) answered in one of four styles, redrawn every time an example is used:
 
     worked   "7+5=12\\n12*3=36\\n36-9=27\\nAnswer: 27"    the working, line by line, then the answer
     direct   "Answer: 27"                              the answer without working
@@ -22,7 +22,7 @@ from typing import Any
 
 from megatron_dapo.data.arithmetic import format_answer
 from megatron_dapo.data.render import render_prompt_ids
-from megatron_dapo.data.steps import chain_of, worked_solution
+from megatron_dapo.data.steps_task import chain_of, worked_solution
 from megatron_dapo.tiny.warmstart_data import Example
 from megatron_dapo.types import Prompt
 

@@ -38,11 +38,6 @@ class RewardTimeout(Exception):
     pass
 
 
-def is_reward_spec(name: str) -> bool:
-    """`math_dapo`, `math_verify` or `module.path:function`."""
-    return name in (BUILTIN, MATH_VERIFY) or bool(REWARD_FUNCTION.fullmatch(name))
-
-
 def load_reward_fn(name: str, *, answer_fallback: AnswerFallback = "none") -> RewardFn:
     """The callable `name` stands for; math_dapo is DAPO eq. 7 with the configured answer fallback,
     math_verify the same answer line judged also by math-verify (math_verify_reward.py)."""

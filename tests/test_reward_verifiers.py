@@ -12,7 +12,7 @@ import pytest
 from megatron_dapo.config import LoggingConfig, RewardConfig, load_config, ConfigError
 from megatron_dapo.metrics import Alarms
 from megatron_dapo.reward import RewardLoadError, RewardResult, Scorer, Verifier, load_reward_fn
-from megatron_dapo.reward.custom import RewardTimeout, call_with_timeout
+from megatron_dapo.reward.verifiers import RewardTimeout, call_with_timeout
 from megatron_dapo.types import Sample
 
 MODULE = '''
