@@ -305,3 +305,25 @@ def test_is_weights_equal_an_explicitly_weighted_sum():
     ]).view_as(base)
     loss, _ = policy_loss(base, old, adv, mask, is_weights=is_w)
     torch.testing.assert_close(loss, (token_losses * is_w * mask).sum() / n)
+
+
+def test_loss_settings_are_resolved_once_from_the_config():
+    """One value from the config to the kernel: the variant's defaults filled in, every problem refused at once."""
+    from megatron_dapo.algo.loss_settings import LossSettings
+    from megatron_dapo.config import AlgoConfig
+    from megatron_dapo.kernels import loss_from_logprobs
+
+    assert LossSettings.from_config(AlgoConfig(), 16) == LossSettings("dapo", 0.2, 0.28, "token-mean", None, 16, 0.0)
+    cispo = LossSettings.from_config(AlgoConfig(policy_loss="cispo", entropy_coef=0.01), None)
+    assert (cispo.eps_low, cispo.eps_high, cispo.entropy_coef) == (0.0, 5.0, 0.01)
+    with pytest.raises(ValueError, match="has no dual clip"):
+        LossSettings.from_config(AlgoConfig(policy_loss="cispo", clip_ratio_c=3.0), None)
+    with pytest.raises(ValueError, match="max_response_len must be >= 1"):
+        LossSettings.from_config(AlgoConfig(policy_loss="dr_grpo"), None)
+    lp = torch.zeros(2, 3)
+    settings = LossSettings.resolve(eps_high=0.3)
+    by_value = loss_from_logprobs(lp, None, lp, torch.ones(2), torch.ones(2, 3), settings)[0]
+    by_keywords = loss_from_logprobs(lp, None, lp, torch.ones(2), torch.ones(2, 3), eps_high=0.3)[0]
+    assert by_value == by_keywords == policy_loss(lp, lp, torch.ones(2), torch.ones(2, 3), eps_high=0.3)[0]
+    with pytest.raises(TypeError, match="not both"):
+        loss_from_logprobs(lp, None, lp, torch.ones(2), torch.ones(2, 3), settings, eps_high=0.3)

@@ -26,6 +26,7 @@ from megatron_dapo.actor.model import (
 from megatron_dapo.actor.routing import RouteKeeper
 from megatron_dapo.actor.residency import Residency
 from megatron_dapo.actor.optimizer import build_optimizer, build_scheduler, current_lr, wrap_ddp
+from megatron_dapo.algo.loss_settings import LossSettings
 from megatron_dapo.config import ActorConfig, AlgoConfig, ModelConfig, ParallelConfig
 from megatron_dapo.config.sizing import resolve_micro_batches
 from megatron_dapo.kernels import linear_logprobs_and_entropy, loss_from_logprobs, token_logprobs_and_entropy
@@ -65,8 +66,7 @@ class Actor(Residency):
         self.spec = spec
         self.cfg = resolve_micro_batches(actor_cfg, spec.vocab_size, par_cfg.tensor_parallel,
                                          on_gpu=torch.cuda.is_available())  # 0 = sized from the vocabulary
-        self.algo = algo if algo is not None else AlgoConfig()
-        self.max_response_len = max_response_len
+        self.loss = LossSettings.from_config(algo if algo is not None else AlgoConfig(), max_response_len)
         self.temperature = temperature if temperature > 0 else 1.0
         model = build_model(spec, model_cfg, par_cfg, init_weights=init_weights)
         model.config.finalize_model_grads_func = _finalize_grads_unscaled
@@ -298,7 +298,6 @@ class Actor(Residency):
             dist.all_reduce(counts, group=parallel.dp_group())
         global_tokens, global_seqs = counts.tolist()
         stats = torch.zeros(7, dtype=torch.float64)  # token sums: loss, tokens, clip hi/lo/dual, entropy, kl
-        algo = self.algo
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             if mb.filler:  # in the graph, so its backward runs the all-to-alls too; adds 0 to every gradient
@@ -307,11 +306,8 @@ class Actor(Residency):
             lp, ent = self._row_stats(mb, logits, entropy=True, needed=mb.model_loss_mask)
             is_weights = None if mb.is_weights is None else mb.is_weights.to(dev)
             loss, m = loss_from_logprobs(
-                lp, ent, mb.old_logprobs.to(dev), mb.advantages.to(dev), mb.loss_mask.to(dev),
-                eps_low=algo.eps_low, eps_high=algo.eps_high, agg_mode=algo.loss_agg_mode,
-                global_num_tokens=global_tokens, global_num_seqs=global_seqs, entropy_coef=algo.entropy_coef,
-                clip_ratio_c=algo.clip_ratio_c, is_weights=is_weights, kind=algo.policy_loss,
-                max_response_len=self.max_response_len, impl="auto")
+                lp, ent, mb.old_logprobs.to(dev), mb.advantages.to(dev), mb.loss_mask.to(dev), self.loss,
+                global_num_tokens=global_tokens, global_num_seqs=global_seqs, is_weights=is_weights, impl="auto")
             n = float(m.num_tokens)
             stats.add_(torch.tensor([float(loss.detach()), n, float(m.clipfrac_high) * n, float(m.clipfrac_low) * n,
                                      float(m.clipfrac_dual) * n, float(m.entropy) * n, float(m.approx_kl) * n],

@@ -21,26 +21,18 @@ Options beyond the paper's eq. 10 (both off by default):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeAlias, get_args
+from typing import TypeAlias
 
 import torch
 
-from megatron_dapo.algo.policy_losses import (
-    LOG_RATIO_LIMIT,
-    LossInputs,
-    PolicyLossSpec,
-    TokenTerms,
-    clip_range,
-    policy_loss_spec,
-)
+from megatron_dapo.algo.loss_settings import AGG_MODES, LossSettings
+from megatron_dapo.algo.policy_losses import LOG_RATIO_LIMIT, LossInputs, TokenTerms
 from megatron_dapo.config.schema import LossAggMode as AggMode
-
-AGG_MODES: tuple[str, ...] = get_args(AggMode)
 
 Count: TypeAlias = int | float | torch.Tensor
 
 __all__ = ["AGG_MODES", "LOG_RATIO_LIMIT", "AggMode", "Count", "PolicyLossMetrics", "aggregate",
-           "policy_loss", "validate_inputs"]
+           "check_tensors", "policy_loss", "settled_policy_loss"]
 
 
 @dataclass
@@ -116,11 +108,24 @@ def policy_loss(
     Returns:
         (loss, metrics): a scalar loss and detached `PolicyLossMetrics`.
     """
-    spec = policy_loss_spec(kind)
-    eps_low, eps_high = clip_range(spec, eps_low, eps_high)
-    validate_inputs(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, agg_mode,
-                    clip_ratio_c=clip_ratio_c, is_weights=is_weights, spec=spec,
-                    max_response_len=max_response_len)
+    settings = LossSettings.resolve(kind, eps_low, eps_high, agg_mode, clip_ratio_c, max_response_len)
+    return settled_policy_loss(settings, logprobs, old_logprobs, advantages, mask, global_num_tokens,
+                               global_num_seqs, is_weights)
+
+
+def settled_policy_loss(
+    settings: LossSettings,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, PolicyLossMetrics]:
+    """policy_loss with its settings resolved once (LossSettings): what the kernels and the actor call."""
+    check_tensors(logprobs, old_logprobs, advantages, mask, is_weights)
+    spec = settings.spec
     valid = mask != 0
     weight = mask.to(logprobs.dtype)
     if advantages.dim() == 1:
@@ -128,12 +133,13 @@ def policy_loss(
     advantages = advantages.to(logprobs.dtype).expand_as(logprobs)
     # where() keeps garbage at padded positions (e.g. -inf logprobs) out of exp() and its gradient.
     advantages = torch.where(valid, advantages, torch.zeros_like(advantages))
-    inputs = LossInputs(logprobs, old_logprobs.detach(), advantages, valid, eps_low, eps_high, clip_ratio_c)
+    inputs = LossInputs(logprobs, old_logprobs.detach(), advantages, valid, settings.eps_low, settings.eps_high,
+                        settings.clip_ratio_c)
     terms = spec.fn(inputs)
     token_loss = terms.loss * _token_weights(weight, valid, is_weights)
 
-    loss = aggregate(token_loss, weight, valid, agg_mode, global_num_tokens, global_num_seqs,
-                     normaliser=spec.normaliser, max_response_len=max_response_len)
+    loss = aggregate(token_loss, weight, valid, settings.agg_mode, global_num_tokens, global_num_seqs,
+                     normaliser=spec.normaliser, max_response_len=settings.max_response_len)
     return loss, _metrics(terms, valid)
 
 
@@ -146,30 +152,13 @@ def _token_weights(
     return weight * torch.where(valid, is_weights.detach().to(weight.dtype), torch.zeros_like(weight))
 
 
-def validate_inputs(
+def check_tensors(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-    agg_mode: str,
-    *,
-    clip_ratio_c: float | None = None,
     is_weights: torch.Tensor | None = None,
-    spec: PolicyLossSpec | None = None,
-    max_response_len: int | None = None,
 ) -> None:
-    if spec is not None:
-        _spec_problems(spec, clip_ratio_c, max_response_len)
-    if agg_mode not in AGG_MODES:
-        raise ValueError(f"unknown agg_mode {agg_mode!r}; valid: {', '.join(AGG_MODES)}")
-    if not 0.0 <= eps_low < 1.0:
-        raise ValueError(f"eps_low must be in [0, 1), got {eps_low}")
-    if eps_high < 0.0:
-        raise ValueError(f"eps_high must be >= 0, got {eps_high}")
-    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 (or None to disable dual-clip), got {clip_ratio_c}")
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
     named = (("old_logprobs", old_logprobs), ("mask", mask), ("is_weights", is_weights))
@@ -180,15 +169,6 @@ def validate_inputs(
         raise ValueError(
             f"advantages must be [B] or [B, T] = {tuple(logprobs.shape)}, got {tuple(advantages.shape)}"
         )
-
-
-def _spec_problems(spec: PolicyLossSpec, clip_ratio_c: float | None, max_response_len: int | None) -> None:
-    if clip_ratio_c is not None and not spec.dual_clip:
-        raise ValueError(f"policy loss {spec.name!r} has no dual clip: clip_ratio_c must be None, "
-                         f"got {clip_ratio_c}")
-    if spec.normaliser == "max_len" and not (max_response_len is not None and max_response_len >= 1):
-        raise ValueError(f"policy loss {spec.name!r} divides by global_num_seqs x max_response_len: "
-                         f"max_response_len must be >= 1, got {max_response_len}")
 
 
 def _as_denominator(count: Count | None, default: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The policy loss for the actor: from logits, from hidden states, or from token logprobs.
 
-`loss_from_logprobs` is the one "logprobs -> loss" entry: algo.loss.policy_loss (any variant `kind`,
-agg_mode, dual-clip, importance weights) through the fused Triton clip kernel or plain torch, plus an
+`loss_from_logprobs` is the one "logprobs -> loss" entry: algo.loss.settled_policy_loss (one LossSettings: any
+variant, agg_mode, dual-clip; importance weights) through the fused Triton clip kernel or plain torch, plus an
 optional entropy bonus normalised by the global token count. `fused_policy_loss` / `fused_linear_policy_loss`
 put the logprob/entropy kernel in front of it. Every normaliser is a global count, so micro-batch
 and data-parallel splits still sum to the full-batch loss and gradient.
@@ -19,15 +19,9 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.algo.loss import (
-    AggMode,
-    Count,
-    PolicyLossMetrics,
-    aggregate,
-    policy_loss,
-    validate_inputs,
-)
-from megatron_dapo.algo.policy_losses import PolicyLossSpec, clip_range, policy_loss_spec, sequence_log_ratio
+from megatron_dapo.algo.loss import Count, PolicyLossMetrics, aggregate, check_tensors, settled_policy_loss
+from megatron_dapo.algo.loss_settings import LossSettings
+from megatron_dapo.algo.policy_losses import PolicyLossSpec, policy_loss_spec, sequence_log_ratio
 from megatron_dapo.kernels.linear_logprobs import linear_logprobs_and_entropy
 from megatron_dapo.kernels.logprobs import resolve_impl, token_logprobs_and_entropy
 
@@ -45,30 +39,25 @@ def fused_policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    settings: LossSettings | None = None,
     *,
-    eps_low: float | None,
-    eps_high: float | None,
     global_num_tokens: Count | None,
     global_num_seqs: Count | None = None,
-    agg_mode: AggMode = "token-mean",
-    clip_ratio_c: float | None = None,
     is_weights: torch.Tensor | None = None,
-    kind: str = "dapo",
-    max_response_len: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
-    entropy_coef: float = 0.0,
     impl: str = "auto",
     inplace_backward: bool = False,
     chunk_bytes: int | None = None,
+    **loss_kw,
 ) -> tuple[torch.Tensor, FusedLossMetrics]:
     """loss_from_logprobs(*token_logprobs_and_entropy(logits, targets), ...): the DAPO loss from logits.
 
     Args:
         logits: [B, T, V_local] (vocab shard when `tp_group` has >1 ranks, see token_logprobs_and_entropy).
         targets: [B, T] global token ids; old_logprobs, mask: [B, T]; advantages: [B] or [B, T].
-        global_num_tokens, global_num_seqs, agg_mode, clip_ratio_c, is_weights, kind, max_response_len,
-        entropy_coef: as in loss_from_logprobs.
+        settings (or its fields as keywords), global_num_tokens, global_num_seqs, is_weights: as in
+        loss_from_logprobs.
         impl, inplace_backward, chunk_bytes: as in token_logprobs_and_entropy.
     """
     impl = resolve_impl(impl, logits.device)
@@ -81,12 +70,9 @@ def fused_policy_loss(
         inplace_backward=inplace_backward,
         chunk_bytes=chunk_bytes,
     )
-    return loss_from_logprobs(
-        logprobs, entropy, old_logprobs, advantages, mask,
-        eps_low=eps_low, eps_high=eps_high, agg_mode=agg_mode, global_num_tokens=global_num_tokens,
-        global_num_seqs=global_num_seqs, entropy_coef=entropy_coef, clip_ratio_c=clip_ratio_c,
-        is_weights=is_weights, kind=kind, max_response_len=max_response_len, impl=impl,
-    )  # fmt: skip
+    return loss_from_logprobs(logprobs, entropy, old_logprobs, advantages, mask, settings,
+                              global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+                              is_weights=is_weights, impl=impl, **loss_kw)
 
 
 def fused_linear_policy_loss(
@@ -96,21 +82,16 @@ def fused_linear_policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    settings: LossSettings | None = None,
     *,
-    eps_low: float | None,
-    eps_high: float | None,
     global_num_tokens: Count | None,
     global_num_seqs: Count | None = None,
-    agg_mode: AggMode = "token-mean",
-    clip_ratio_c: float | None = None,
     is_weights: torch.Tensor | None = None,
-    kind: str = "dapo",
-    max_response_len: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
-    entropy_coef: float = 0.0,
     impl: str = "auto",
     chunk_bytes: int | None = None,
+    **loss_kw,
 ) -> tuple[torch.Tensor, FusedLossMetrics]:
     """fused_policy_loss(hidden @ weight^T, ...) without the [B, T, V] logits (see linear_logprobs.py).
 
@@ -126,12 +107,9 @@ def fused_linear_policy_loss(
         impl=impl,
         chunk_bytes=chunk_bytes,
     )
-    return loss_from_logprobs(
-        logprobs, entropy, old_logprobs, advantages, mask,
-        eps_low=eps_low, eps_high=eps_high, agg_mode=agg_mode, global_num_tokens=global_num_tokens,
-        global_num_seqs=global_num_seqs, entropy_coef=entropy_coef, clip_ratio_c=clip_ratio_c,
-        is_weights=is_weights, kind=kind, max_response_len=max_response_len, impl=impl,
-    )  # fmt: skip
+    return loss_from_logprobs(logprobs, entropy, old_logprobs, advantages, mask, settings,
+                              global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+                              is_weights=is_weights, impl=impl, **loss_kw)
 
 
 def loss_from_logprobs(
@@ -140,51 +118,49 @@ def loss_from_logprobs(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    settings: LossSettings | None = None,
     *,
-    eps_low: float | None,
-    eps_high: float | None,
-    agg_mode: AggMode = "token-mean",
     global_num_tokens: Count | None = None,
     global_num_seqs: Count | None = None,
-    entropy_coef: float = 0.0,
-    clip_ratio_c: float | None = None,
     is_weights: torch.Tensor | None = None,
-    kind: str = "dapo",
-    max_response_len: int | None = None,
     impl: str = "torch",
+    **loss_kw,
 ) -> tuple[torch.Tensor, FusedLossMetrics]:
     """The policy loss to minimise from [B, T] token logprobs (and entropies):
 
-        policy_loss(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, agg_mode,
-                    global_num_tokens, global_num_seqs=..., clip_ratio_c=..., is_weights=..., kind=...,
-                    max_response_len=...)
-            - entropy_coef * sum(mask * entropy) / global_num_tokens
+        settled_policy_loss(settings, logprobs, old_logprobs, advantages, mask, global_num_tokens,
+                            global_num_seqs, is_weights)
+            - settings.entropy_coef * sum(mask * entropy) / global_num_tokens
 
     Args:
+        settings: the loss's LossSettings (resolved once, at start-up). Without it, its fields as keywords
+            (kind, eps_low, eps_high, agg_mode, clip_ratio_c, max_response_len, entropy_coef), resolved here.
         entropy: [B, T] token entropies, or None (then the metric is 0 and entropy_coef must be 0).
             With entropy_coef == 0 it is a detached monitor, so the kernels skip its backward.
         global_num_tokens: valid-token count of the global batch: the token-mean normaliser and, in
             every agg_mode, the entropy bonus's (None: this call's count).
         impl: "triton" runs the fused clip kernel for the variants it covers (see `loss_path`; the seq
             modes aggregate its token losses in torch), the others in torch; "torch" runs
-            algo.loss.policy_loss; "auto" as in kernels.resolve_impl.
+            algo.loss.settled_policy_loss; "auto" as in kernels.resolve_impl.
         The rest: as in algo.loss.policy_loss.
     """
     impl = resolve_impl(impl, logprobs.device)
-    if entropy is None and entropy_coef != 0.0:
-        raise ValueError(f"entropy_coef={entropy_coef} needs token entropies, got entropy=None")
-    in_kernel = impl == "triton" and policy_loss_spec(kind).ratio is not None
-    loss_fn = _triton_policy_loss if in_kernel else policy_loss
-    loss, metrics = loss_fn(
-        logprobs, old_logprobs, advantages, mask, eps_low, eps_high, agg_mode, global_num_tokens,
-        global_num_seqs=global_num_seqs, clip_ratio_c=clip_ratio_c, is_weights=is_weights, kind=kind,
-        max_response_len=max_response_len,
-    )  # fmt: skip
+    if settings is None:
+        settings = LossSettings.resolve(**loss_kw)
+    elif loss_kw:
+        raise TypeError(f"pass the loss settings as LossSettings or as keywords, not both: {sorted(loss_kw)}")
+    coef = settings.entropy_coef
+    if entropy is None and coef != 0.0:
+        raise ValueError(f"entropy_coef={coef} needs token entropies, got entropy=None")
+    in_kernel = impl == "triton" and settings.spec.ratio is not None
+    loss_fn = _triton_policy_loss if in_kernel else settled_policy_loss
+    loss, metrics = loss_fn(settings, logprobs, old_logprobs, advantages, mask, global_num_tokens, global_num_seqs,
+                            is_weights)
     if entropy is None:
         mean_entropy = torch.zeros((), device=logprobs.device)
     else:
-        bonus, mean_entropy = _entropy_bonus(entropy, mask != 0, entropy_coef, global_num_tokens)
-        loss = loss - bonus if entropy_coef != 0.0 else loss
+        bonus, mean_entropy = _entropy_bonus(entropy, mask != 0, coef, global_num_tokens)
+        loss = loss - bonus if coef != 0.0 else loss
     return loss, FusedLossMetrics(
         **{f.name: getattr(metrics, f.name) for f in fields(metrics)}, entropy=mean_entropy
     )
@@ -207,30 +183,21 @@ def _denominator(count: Count | None, valid: torch.Tensor) -> torch.Tensor:
 
 
 def _triton_policy_loss(
+    settings: LossSettings,
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    eps_low: float | None,
-    eps_high: float | None,
-    agg_mode: AggMode,
     global_num_tokens: Count | None,
-    *,
     global_num_seqs: Count | None,
-    clip_ratio_c: float | None,
     is_weights: torch.Tensor | None,
-    kind: str,
-    max_response_len: int | None,
 ) -> tuple[torch.Tensor, PolicyLossMetrics]:
-    """policy_loss through the fused clip kernel: same arguments, result and metrics (in fp32), for a
+    """settled_policy_loss through the fused clip kernel: same arguments, result and metrics (in fp32), for a
     variant whose spec has a `ratio` (the clipped surrogate of a token or sequence ratio)."""
     from megatron_dapo.kernels.policy_loss_triton import DUAL_CLIP_OFF, ClipLoss
 
-    spec = policy_loss_spec(kind)
-    eps_low, eps_high = clip_range(spec, eps_low, eps_high)
-    validate_inputs(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, agg_mode,
-                    clip_ratio_c=clip_ratio_c, is_weights=is_weights, spec=spec,
-                    max_response_len=max_response_len)
+    spec = settings.spec
+    check_tensors(logprobs, old_logprobs, advantages, mask, is_weights)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     f32 = {"dtype": torch.float32, "device": logprobs.device}
@@ -244,10 +211,10 @@ def _triton_policy_loss(
         isw,
     ]
     flat = [t.reshape(-1).contiguous() for t in (logprobs.float(), *flat)]
-    dual_c = DUAL_CLIP_OFF if clip_ratio_c is None else float(clip_ratio_c)
-    token_loss, ratio, log_ratio, clip = ClipLoss.apply(*flat, eps_low, eps_high, dual_c)
-    loss = aggregate(token_loss.view_as(weight), weight, valid, agg_mode, global_num_tokens, global_num_seqs,
-                     normaliser=spec.normaliser, max_response_len=max_response_len)
+    dual_c = DUAL_CLIP_OFF if settings.clip_ratio_c is None else float(settings.clip_ratio_c)
+    token_loss, ratio, log_ratio, clip = ClipLoss.apply(*flat, settings.eps_low, settings.eps_high, dual_c)
+    loss = aggregate(token_loss.view_as(weight), weight, valid, settings.agg_mode, global_num_tokens,
+                     global_num_seqs, normaliser=spec.normaliser, max_response_len=settings.max_response_len)
     return loss, _clip_metrics(ratio, log_ratio, clip, valid.reshape(-1))
 
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from megatron_dapo import parallel
-from megatron_dapo.algo.policy_losses import clip_range, policy_loss_spec
+from megatron_dapo.algo.loss_settings import LossSettings
 from megatron_dapo.config import Config
 from megatron_dapo.config.model_checks import read_model_config
 from megatron_dapo.hf_files import HFCheckpointError, hf_tensor_table
@@ -104,8 +104,8 @@ def schedule_line(cfg: Config) -> str:
 def policy_loss_line(cfg: Config) -> str:
     """The loss, its clip range and normaliser, and where it runs (the fused clip kernel or torch)."""
     a = cfg.algo
-    spec = policy_loss_spec(a.policy_loss)
-    low, high = clip_range(spec, a.eps_low, a.eps_high)
+    settings = LossSettings.from_config(a, cfg.rollout.max_response_len)
+    spec, low, high = settings.spec, settings.eps_low, settings.eps_high
     norm = "token sums / (sequences x rollout.max_response_len)" if spec.normaliser == "max_len" \
         else a.loss_agg_mode
     advantages = "" if spec.scale_advantages_by_std else ", advantages not divided by the group std"
