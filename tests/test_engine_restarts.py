@@ -211,3 +211,14 @@ def test_a_run_that_lost_an_engine_exits_1_with_one_line(monkeypatch, capsys):
     out = capsys.readouterr().err.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("train: error: rollout engine http://127.0.0.1:30001: exited with "
                                                "code -9") and out[0].endswith("last lines of its log: a | b | Killed")
+
+
+def test_an_engine_lost_between_rollouts_is_revived_at_the_next_phase_change():
+    a, b = Scripted(), Scripted()
+    restarts = Restarts(max_restarts=1)
+    group = EngineGroup([a, b], restarts=restarts)
+    a.dead = True  # died while the actor trained: it held no group
+    group.revive()
+    assert (a.killed, a.restarted, b.restarted) == (1, 1, 0) and restarts.resubmitted_groups == 0
+    group.revive()  # nothing lost: nothing restarted
+    assert a.restarted == 1 and restarts.engine_restarts == 1

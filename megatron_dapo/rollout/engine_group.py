@@ -207,6 +207,16 @@ class EngineGroup(RolloutEngine):
             raise EngineGroupError(f"{what} failed on rollout engine {name}: {error}") from error
         return results
 
+    def revive(self) -> None:
+        """Restart every lost engine now, all at once (one lost between rollouts held no group); the loop calls
+        it at each phase change, before the engines are moved or take weights."""
+        if self.recovery is None:
+            return
+        lost = [(k, why) for k in range(len(self.engines)) if (why := self.recovery.lost(k))]
+        for k, why in lost:
+            self.recovery.take(k, why)
+        list(self._pool.map(self.recovery.restart, [k for k, _ in lost]))
+
     def sleep(self, tags: Sequence[str] | None = None) -> None:
         self._all(lambda e: e.sleep() if tags is None else e.sleep(tags), "sleep")
 

@@ -1,5 +1,5 @@
-"""A launched server's health check: a daemon thread asks /health every few seconds; a server that has not
-answered for `timeout_s` counts as hung (SGLangServer.call gives up on it, its driver may restart it)."""
+"""A launched server's health check: a daemon thread asks it every few seconds (SGLangServer._answers); a server
+that has not answered for `timeout_s` counts as hung (SGLangServer.call gives up on it, its driver may restart it)."""
 
 from __future__ import annotations
 
