@@ -38,7 +38,8 @@ def expected(key: int) -> list[Sample]:
 
 class ScriptedStream(RolloutStream):
     def __init__(self, engine: Scripted) -> None:
-        self.engine, self.queue, self.cond = engine, [], threading.Condition()
+        self.engine, self.cond = engine, threading.Condition()
+        self.queue: list[GroupRequest] = []
 
     @property
     def pending(self) -> int:
@@ -108,7 +109,9 @@ class Scripted(RolloutEngine):
         self.stale_weights = False
 
     sleep = wake = abort = shutdown = lambda self, *a: None  # type: ignore[assignment]
-    health = lambda self: not self.dead  # noqa: E731
+
+    def health(self):
+        return not self.dead
 
 
 def drain(stream, count: int) -> dict[int, list[Sample]]:

@@ -94,7 +94,8 @@ class ProcessEngine(RolloutEngine):
 
     def _spawn(self) -> None:
         """Start the child and wait for its engine (a failure shuts this engine down)."""
-        self._buffer_sent, self._broken = False, None
+        self._buffer_sent = False
+        self._broken: str | None = None
         ctx = mp.get_context("spawn")
         self._cmd, child_cmd = ctx.Pipe()
         self._ctl, child_ctl = ctx.Pipe()
