@@ -6,6 +6,7 @@ its health check, stopped for good and started again."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -16,6 +17,7 @@ from sglang_support import process_gone
 from megatron_dapo.rollout.base import AbortReport, GroupRequest, GroupResult, RolloutEngine, RolloutStream, SamplingParams
 from megatron_dapo.rollout.engine_group import EngineGroup
 from megatron_dapo.rollout.restarts import EngineLostError, Restarts
+from megatron_dapo.rollout.sglang.health import HealthWatch
 from megatron_dapo.types import Sample
 
 N = 3
@@ -225,3 +227,21 @@ def test_an_engine_lost_between_rollouts_is_revived_at_the_next_phase_change():
     assert (a.killed, a.restarted, b.restarted) == (1, 1, 0) and restarts.resubmitted_groups == 0
     group.revive()  # nothing lost: nothing restarted
     assert a.restarted == 1 and restarts.engine_restarts == 1
+
+
+def test_the_health_check_generates_nothing_and_falls_back_on_an_older_server():
+    """The load report (SGLang's /health would generate a token), else /model_info; silence past the timeout is
+    a hang."""
+    asked: list[str] = []
+
+    def older(path, timeout):
+        asked.append(path)
+        return 404 if path.startswith("/v1/loads") else 200
+
+    watch, silent = HealthWatch(older, timeout_s=0.4), HealthWatch(lambda path, timeout: 503, timeout_s=0.4)
+    time.sleep(0.8)
+    watch.stop(), silent.stop()
+    assert watch.hung() is None and "/health" not in asked and asked[:2] == ["/v1/loads?include=core", "/model_info"]
+    assert set(asked[2:]) == {"/model_info"}
+    assert re.fullmatch(r"did not answer its health check for \d+ s \(rollout.sglang.health_timeout_s=0.4\)",
+                        silent.hung())

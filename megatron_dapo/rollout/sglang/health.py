@@ -1,5 +1,7 @@
-"""A launched server's health check: a daemon thread asks it every few seconds (SGLangServer._answers); a server
-that has not answered for `timeout_s` counts as hung (SGLangServer.call gives up on it, its driver may restart it)."""
+"""A launched server's health check: a daemon thread asks for the schedulers' load report every few seconds (it
+crosses the whole server and generates nothing: SGLang's /health generates a token, which must not reach a server
+that releases its memory; /model_info on an SGLang without the report). A server that has not answered for
+`timeout_s` counts as hung (SGLangServer.call gives up on it, its driver may restart it)."""
 
 from __future__ import annotations
 
@@ -8,13 +10,16 @@ import time
 from collections.abc import Callable
 
 
-class HealthWatch:
-    """Calls `ping()` (True: the server answered) every min(5 s, timeout_s / 4) until `stop()`."""
+PATHS = ("/v1/loads?include=core", "/model_info")
 
-    def __init__(self, ping: Callable[[float], bool], timeout_s: float) -> None:
+
+class HealthWatch:
+    """Asks `get(path, timeout)` (an HTTP status) every min(5 s, timeout_s / 4) until `stop()`."""
+
+    def __init__(self, get: Callable[[str, float], int], timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.interval_s = min(5.0, timeout_s / 4)
-        self._ping = ping
+        self._get, self._paths = get, list(PATHS)
         self._seen = time.monotonic()
         self._stop = threading.Event()
         threading.Thread(target=self._run, name="sglang-health", daemon=True).start()
@@ -33,8 +38,15 @@ class HealthWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                ok = self._ping(max(1.0, min(10.0, self.timeout_s / 2)))
+                ok = self._answers(max(1.0, min(10.0, self.timeout_s / 2)))
             except Exception:  # noqa: BLE001 - an unanswered check is what this counts
                 ok = False
             if ok and not self._stop.is_set():
                 self._seen = time.monotonic()
+
+    def _answers(self, timeout: float) -> bool:
+        status = self._get(self._paths[0], timeout)
+        if status == 404 and len(self._paths) > 1:  # an SGLang without the load report
+            self._paths.pop(0)
+            status = self._get(self._paths[0], timeout)
+        return status == 200

@@ -253,7 +253,8 @@ class SGLangServer:
             time.sleep(0.5)
         self._children = child_processes(self._proc.pid) if self._proc is not None else []
         if self._proc is not None:
-            self._health = HealthWatch(self._answers, self.cfg.health_timeout_s)
+            self._health = HealthWatch(lambda path, t: self._http("GET", path, None, timeout=t)[0],
+                                       self.cfg.health_timeout_s)
 
     def _fatal_startup_error(self) -> str | None:
         """A startup failure after which SGLang lingers instead of exiting (its HTTP port taken: uvicorn
@@ -285,18 +286,6 @@ class SGLangServer:
                 self._proc.wait(timeout=1.0)
             reason = self.dead_reason()
         return reason
-
-    _HEALTH_PATHS = ["/v1/loads?include=core", "/model_info"]
-
-    def _answers(self, timeout: float) -> bool:
-        """The health check: the schedulers' load report (it crosses the whole server, generating nothing: SGLang's
-        /health generates a token, which must not reach a server that releases its memory); /model_info on an
-        SGLang without that report."""
-        status = self._http("GET", self._HEALTH_PATHS[0], None, timeout=timeout)[0]
-        if status == 404 and len(self._HEALTH_PATHS) > 1:
-            self._HEALTH_PATHS = self._HEALTH_PATHS[1:]
-            status = self._http("GET", self._HEALTH_PATHS[0], None, timeout=timeout)[0]
-        return status == 200
 
     def hung(self) -> str | None:
         """Why the server counts as hung (its health check silent for cfg.health_timeout_s), None if it is not."""
