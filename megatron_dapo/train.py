@@ -35,6 +35,7 @@ from megatron_dapo.loop.report import pace_line
 from megatron_dapo.loop.state import RunState
 from megatron_dapo.loop.weight_probe import WeightSyncError
 from megatron_dapo.loop.weight_sync import SyncStats
+from megatron_dapo.rollout.restarts import EngineLostError
 from megatron_dapo.metrics import progress
 from megatron_dapo.rollout.base import NonFiniteLogitsError
 from megatron_dapo.rollout.step.result import StepRollout
@@ -151,7 +152,7 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
             groups, dropped = drop_stale(groups, step - 1, cfg.rollout.async_steps)
             out.update(staleness_scalars(groups, step - 1, dropped))
         groups = distribute.trainable(groups, run.num_mini_batches)  # whole mini-batches on every DP rank
-        out.update({**rollout.scalars(), "rollout/groups_trained": float(len(groups))})
+        out.update({**rollout.scalars(), **run.restarts.scalars(), "rollout/groups_trained": float(len(groups))})
         batch = train_batch(run, groups) if groups else None
         if not groups:  # the sampled responses of this step are written too (RunState.wants_samples)
             log.warning("step %d: %s", step, monitors.why_no_signal(rollout.generated, cfg.reward.answer_fallback))
@@ -352,7 +353,7 @@ def run_training(cfg: Config) -> int:
     except UserError as e:
         print_error("train", e)
         return EXIT_USER_ERROR
-    except (NonFiniteWeightsError, CheckpointError, WeightSyncError, DriverHungError) as e:
+    except (NonFiniteWeightsError, CheckpointError, WeightSyncError, DriverHungError, EngineLostError) as e:
         print_error("train", e)
         return 1
     except Preempted as e:

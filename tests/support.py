@@ -35,7 +35,7 @@ TAGS = [
     "memory/actor_asleep_in_generate",
     "val/pass_at_k", "val/maj_at_k", "val/response_length_mean", "timing/eval_s", "perf/rollout_tokens_per_s",
     "reward/failures", "alarm/no_correct_answers", "perf/pad_frac", "perf/trained_tokens", "perf/prefix_saved_frac",
-    "perf/output_tokens",
+    "perf/output_tokens", "rollout/engine_restarts", "rollout/resubmitted_groups",
 ]
 """Every monitor a CPU run writes."""
 # The test base is trained for seconds and may answer nothing right on a busy machine: the paper's accuracy

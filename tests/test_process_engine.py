@@ -23,6 +23,7 @@ from megatron_dapo.rollout.base import (
 )
 from megatron_dapo.rollout.embedded import EmbeddedEngine
 from megatron_dapo.rollout.process_engine import EngineProcessError, ProcessEngine
+from megatron_dapo.rollout.restarts import EngineLostError, Restarts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -280,3 +281,35 @@ class TwoArgs(Exception):
     def __init__(self, a, b):
         super().__init__(a)
 
+
+
+def test_a_child_killed_mid_stream_is_restarted_with_the_weights_and_its_groups(hf_dir):
+    """rollout.sglang.max_restarts for the process engine: SIGKILL between two groups of a stream; the rest come
+    from a new child that holds the last update's weights, the same as from an undisturbed engine; past the
+    budget, one line naming the process and its exit status."""
+    local, restarts = EmbeddedEngine(hf_dir), Restarts(max_restarts=1)
+    remote = ProcessEngine(hf_dir, threads=1, restarts=restarts)
+    try:
+        torch.manual_seed(1)
+        new = {n: p.detach() + 0.05 * torch.randn_like(p) for n, p in local.model.named_parameters()}
+        for engine in (local, remote):
+            engine.update_weights(new.items())
+        want = streamed(local, 41)
+        with remote.stream() as stream:
+            stream.submit(requests(41))
+            got = {(r := stream.next()).key: r.samples}
+            first = remote.pid
+            os.kill(first, signal.SIGKILL)
+            while stream.pending:
+                r = stream.next()
+                got[r.key] = r.samples
+        assert remote.pid != first and restarts.scalars() == {"rollout/engine_restarts": 1.0,
+                                                                "rollout/resubmitted_groups": 2.0}
+        assert {k: [s.response_ids for s in v] for k, v in got.items()} == {
+            k: [s.response_ids for s in v] for k, v in want.items()}
+        os.kill(remote.pid, signal.SIGKILL)
+        with pytest.raises(EngineLostError, match=rf"rollout engine process engine \(pid {remote.pid}\): the engine "
+                                                  r"process .* died during generate \(exit code -9\), after 1 restart"):
+            remote.generate(PROMPTS, 1, SAMPLING)
+    finally:
+        remote.shutdown()

@@ -132,6 +132,15 @@ class SGLangConfig:
     """tensor = colocated in-memory buckets; distributed = NCCL broadcast; disk = via files."""
     extra_args: str = ""
     """Extra `sglang.launch_server` flags, passed through verbatim."""
+    max_restarts: int = knob(3, "[0, inf)", "0 = a lost engine stops the run", on_resume=True)
+    """Rollout engines restarted per run. A server of several (num_servers >= 2) that dies, or misses its health
+    check for health_timeout_s, is stopped for good (its process group) and started again on its devices and
+    port while the others generate its groups again from their prompts with their seeds; it takes the current
+    weights at the next weight sync (the probe checks them). The embedded engine's own process
+    (rollout.colocate=false) comes back with the last weights and its pending groups. A lone server is not
+    restarted. Past this many, the run stops with one line naming the engine and its log, saving nothing new."""
+    health_timeout_s: float = knob(120.0, "(0, inf)", on_resume=True)
+    """A server whose /health does not answer for this long while the trainer waits on it counts as hung."""
 
 
 @dataclass(kw_only=True)

@@ -21,6 +21,7 @@ from megatron_dapo.data.render import default_system_prompt, use_chat_template
 from megatron_dapo.hf_files import HFCheckpointError
 from megatron_dapo.loop import determinism, run_dir
 from megatron_dapo.loop.engines import make_engine
+from megatron_dapo.rollout.restarts import Restarts
 from megatron_dapo.loop.old_policy import resolve_old_logprob_source
 from megatron_dapo.loop.phases import Phases
 from megatron_dapo.loop.inputs import check_inputs
@@ -111,7 +112,8 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
     if offloads:  # the engine sizes its memory with the actor asleep, as it will generate
         actor.sleep()
     report.actor_bytes_at_engine_start = sum(actor.device_bytes().values())
-    engines = make_engine(cfg, actor, report)
+    restarts = Restarts(cfg.rollout.sglang.max_restarts)
+    engines = make_engine(cfg, actor, report, restarts)
     old = resolve_old_logprob_source(cfg.algo, cfg.rollout, cfg.rollout_correction(),
                                      engine_on_actor_weights=engines.on_actor_weights, dtype=param_dtype(cfg.model),
                                      routing_replay=cfg.actor.routing_replay)
@@ -129,7 +131,7 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
         alarms=Alarms(cfg.logging, cfg.rollout.max_response_len),
         ckpt_root=folder, hf_dir=hf_dir, scorer=scorer, old_logprobs=old,
         servers=engines.servers,
-        lock=lock, pipeline=_pipeline(cfg, engines.threads) if driver else None)
+        lock=lock, pipeline=_pipeline(cfg, engines.threads) if driver else None, restarts=restarts)
 
 
 def _pipeline(cfg: Config, threads: int | None) -> RolloutPipeline | None:

@@ -18,6 +18,7 @@ from megatron_dapo.actor.model import param_dtype
 from megatron_dapo.config import Config, ModelConfig
 from megatron_dapo.loop.report import StartupReport
 from megatron_dapo.rollout.base import RolloutEngine
+from megatron_dapo.rollout.restarts import Restarts
 from megatron_dapo.rollout.step.pipeline import engine_threads
 
 
@@ -35,11 +36,12 @@ class EngineSetup:
     """The embedded engine's own torch threads when it runs in a process of its own (the actor has the rest)."""
 
 
-def make_engine(cfg: Config, actor: Actor, report: StartupReport) -> EngineSetup:
-    """Every rank (node leaders start SGLang servers); the start-up report says which engine and why."""
+def make_engine(cfg: Config, actor: Actor, report: StartupReport, restarts: Restarts | None = None) -> EngineSetup:
+    """Every rank (node leaders start SGLang servers); the start-up report says which engine and why. `restarts`:
+    the run's budget for restarting a lost server or engine process (the driver's engine uses it)."""
     if cfg.rollout.engine == "sglang":
         threads = _own_cpu_threads() if not cfg.rollout.colocate and not torch.cuda.is_available() else None
-        servers = _start_sglang(cfg, cfg.model.hf_dir, threads)
+        servers = _start_sglang(cfg, cfg.model.hf_dir, threads, restarts)
         report.engine = f"sglang ({len(servers.owned)} server(s) started by this rank" + (
             f"; {threads} thread(s) each, the actor keeps {torch.get_num_threads()}: the engine is on its own "
             "devices (rollout.colocate=false))" if threads else ")")
@@ -47,7 +49,7 @@ def make_engine(cfg: Config, actor: Actor, report: StartupReport) -> EngineSetup
     if not parallel.is_main():  # the weights are shared in a one-process job only: every rank resolves pi_old alike
         return EngineSetup(None)
     if not cfg.rollout.colocate:
-        engine, threads = _own_process_engine(cfg.model, report, _why_own_weights(cfg))
+        engine, threads = _own_process_engine(cfg.model, report, _why_own_weights(cfg), restarts)
         return EngineSetup(engine, threads=threads)
     engine, shared = _embedded_engine(actor, cfg.model, report, _why_own_weights(cfg))
     return EngineSetup(engine, on_actor_weights=shared)
@@ -62,14 +64,14 @@ def _own_cpu_threads() -> int:
     return threads
 
 
-def _start_sglang(cfg: Config, hf_dir: str, threads: int | None):
+def _start_sglang(cfg: Config, hf_dir: str, threads: int | None, restarts: Restarts | None):
     """Every rank: node leaders start SGLang servers (on CPU with `threads` OMP threads each, None = the
     environment's); global rank 0 gets the engine over all of them."""
     from megatron_dapo.rollout.sglang.fleet import start_job_servers
 
     # the actor's dtype, not SGLang's "auto" (which serves a float32 checkpoint in float16)
     dtype = str(param_dtype(cfg.model)).removeprefix("torch.")
-    return start_job_servers(hf_dir, cfg.rollout.sglang, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+    return start_job_servers(hf_dir, cfg.rollout.sglang, restarts, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
                              dtype=dtype, colocate=cfg.rollout.colocate, threads=threads,
                              deterministic=cfg.train.deterministic)
 
@@ -85,7 +87,8 @@ def _why_own_weights(cfg: Config) -> str | None:
     return None
 
 
-def _own_process_engine(model_cfg: ModelConfig, report: StartupReport, why_own: str) -> tuple[RolloutEngine, int]:
+def _own_process_engine(model_cfg: ModelConfig, report: StartupReport, why_own: str,
+                        restarts: Restarts | None) -> tuple[RolloutEngine, int]:
     """The embedded engine from hf_dir in a process of its own (not a thread: it would share the interpreter
     lock with the actor) with its share of the torch threads, which this process gives up; and that share."""
     from megatron_dapo.rollout.process_engine import ProcessEngine
@@ -95,7 +98,7 @@ def _own_process_engine(model_cfg: ModelConfig, report: StartupReport, why_own: 
     actor_threads = max(1, total - threads)
     torch.set_num_threads(actor_threads)
     dtype = param_dtype(model_cfg)
-    engine = ProcessEngine(model_cfg.hf_dir, threads=threads, device=parallel.device(), dtype=dtype)
+    engine = ProcessEngine(model_cfg.hf_dir, threads=threads, device=parallel.device(), dtype=dtype, restarts=restarts)
     report.engine = (f"embedded, in its own process ({threads} thread{'s' if threads > 1 else ''}, pid {engine.pid}; "
                      f"the actor keeps {actor_threads}) with its own {str(dtype).removeprefix('torch.')} "
                      f"copy of the weights (from {model_cfg.hf_dir}; {why_own})")

@@ -119,6 +119,8 @@ class Phases:
             self.ledger["rollout/weight_sync_probe_absdiff"] = diff
 
     def _enter(self, phase: Phase) -> None:
+        if self.engine is not None and hasattr(self.engine, "revive"):  # a server lost between rollouts
+            self.engine.revive()
         moves_engine = self.colocate and self.engine is not None
         released = [t for t in ENGINE_STATE if t not in phase.engine] if self.colocate else []
         if moves_engine and released:

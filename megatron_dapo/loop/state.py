@@ -20,6 +20,7 @@ from megatron_dapo.loop.phases import Phases
 from megatron_dapo.metrics import Alarms, MetricsWriter, PhaseTimer
 from megatron_dapo.reward import Scorer
 from megatron_dapo.rollout.base import RolloutEngine
+from megatron_dapo.rollout.restarts import Restarts
 from megatron_dapo.rollout.step.carry import PartialCarry
 from megatron_dapo.rollout.step.pipeline import RolloutPipeline
 from megatron_dapo.rollout.step.scoring import RenderedPrompt, rendered, score_group
@@ -58,6 +59,8 @@ class RunState:
     last_saved: int | None = None
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     pipeline: RolloutPipeline | None = None
+    restarts: Restarts = field(default_factory=lambda: Restarts(0))
+    """The run's budget of rollout-engine restarts and their counts (rollout/engine_restarts, resubmitted_groups)."""
     """rollout.async_steps > 0: the driver's producer of the next batch (rollout/step/pipeline.py)."""
     has_val: bool = False
     """The driver loaded validation prompts; every rank knows it (validation moves the devices collectively)."""

@@ -9,6 +9,12 @@ the engine, once the groups that finished before it are delivered; that engine r
 groups, and `abort()` still cancels everywhere (and logs a failure that next() never raised). A `next()`
 waiting in another thread when `abort()` runs raises GenerationAborted: so a group nested in another
 (rank 0's server beside an attached node group) lets the outer group's abort finish.
+
+With a `recovery` (restarts.py), an engine that is lost (dead, or hung past its health check) is not a
+failure: it is stopped for good, the groups it held go to the engines that hold the current weights, as
+they were requested (prompt, seed, carried-in samples: nothing is trained twice or dropped), and it is
+started again from its own thread while the others keep generating; it takes no group until a weight
+update has made it current. Past the run's restart budget, `next()` raises EngineLostError (one line).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from megatron_dapo.rollout.base import (
     GroupResult,
     RolloutStream,
 )
+from megatron_dapo.rollout.restarts import EngineLostError, EngineRecovery
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +46,10 @@ class GroupStream(RolloutStream):
     """`streams` (one per engine, labelled `names`, sharing by `weights`) as one stream."""
 
     def __init__(self, streams: Sequence[RolloutStream], names: Sequence[str],
-                 weights: Sequence[int]) -> None:
+                 weights: Sequence[int], recovery: EngineRecovery | None = None) -> None:
         self._streams, self._names, self._weights = list(streams), list(names), list(weights)
+        self._recovery = recovery
+        self._requests: dict[int, GroupRequest] = {}  # pending groups' requests (resubmitted if their engine is lost)
         self._cond = threading.Condition()
         self._owner: dict[int, int] = {}  # pending group -> its engine
         self._owed = [0] * len(self._streams)  # groups engine k still has to deliver
@@ -73,6 +82,7 @@ class GroupStream(RolloutStream):
             for k, reqs in placed.items():  # a refused submit leaves the earlier engines' groups pending
                 self._streams[k].submit(reqs)
                 self._owner.update((r.key, k) for r in reqs)
+                self._requests.update((r.key, r) for r in reqs)
                 self._owed[k] += len(reqs)
             self._cond.notify_all()
 
@@ -88,8 +98,11 @@ class GroupStream(RolloutStream):
             if self._ready:  # groups finished before a failure are delivered first
                 key = next(iter(self._ready))
                 del self._owner[key]
+                self._requests.pop(key, None)
                 return self._ready.pop(key)
             k, error = self._errors.pop(0)
+        if isinstance(error, EngineLostError):
+            raise error
         raise EngineGroupFailure(f"streaming failed on rollout engine {self._names[k]}: {error}") from error
 
     def abort(self) -> AbortReport:
@@ -109,7 +122,7 @@ class GroupStream(RolloutStream):
             partial.update({key: list(item.samples) for key, item in self._ready.items()})
             for k, error in self._errors:  # not raised: the step ended before it needed that engine
                 log.warning("rollout engine %s failed while streaming: %s", self._names[k], error)
-            self._ready, self._errors, self._owner = {}, [], {}
+            self._ready, self._errors, self._owner, self._requests = {}, [], {}, {}
             self._owed = [0] * len(self._streams)
             self._aborting = False
             self._epoch += 1
@@ -128,7 +141,8 @@ class GroupStream(RolloutStream):
                 self._cond.notify_all()
 
     def _least_loaded(self, load: list[int]) -> int:
-        live = [k for k in range(len(self._streams)) if k not in self._failed]
+        live = [k for k in range(len(self._streams)) if k not in self._failed
+                and (self._recovery is None or self._recovery.fresh(k))]
         if not live:
             raise EngineGroupFailure(f"every rollout engine failed: {', '.join(self._names)}")
         return min(live, key=lambda k: ((load[k] + 1) / self._weights[k], k))
@@ -152,6 +166,11 @@ class GroupStream(RolloutStream):
                 if isinstance(item, GroupResult):
                     self._owed[k] -= 1
                     self._ready[item.key] = item
+                elif not self._aborting and self._recovery is not None and (why := self._recovery.lost(k)):
+                    self._failed.add(k)  # takes no group until restarted and current
+                    threading.Thread(target=self._recover, args=(k, why), daemon=True,
+                                     name=f"group-stream-recover-{k}").start()
+                    return
                 elif self._aborting:  # cut short, or it found its groups already cancelled: no failure
                     if not isinstance(item, (GenerationAborted, EngineStateError)):
                         log.warning("rollout engine %s failed during an abort: %s", self._names[k], item)
@@ -159,3 +178,37 @@ class GroupStream(RolloutStream):
                     self._failed.add(k)
                     self._errors.append((k, item))
                 self._cond.notify_all()
+
+    def _recover(self, k: int, why: str) -> None:
+        """Engine k is lost: stop it for good, hand its groups to the current engines, start it again."""
+        try:
+            self._recovery.take(k, why)
+            with suppress(Exception):
+                self._streams[k].close()  # its calls end with the server
+            with self._cond:
+                moved = [self._requests[key] for key, owner in self._owner.items()
+                         if owner == k and key not in self._ready]
+                self._owed[k] = 0
+                self._resubmit(k, moved)
+            self._recovery.restarts.resubmitted(len(moved))
+            self._recovery.restart(k)
+        except BaseException as e:  # noqa: BLE001 - raised by next()
+            with self._cond:
+                self._errors.append((k, e if isinstance(e, EngineLostError) else EngineLostError(
+                    f"rollout engine {self._names[k]}: {why}; it could not be recovered: {e}")))
+                self._cond.notify_all()
+
+    def _resubmit(self, k: int, moved: list[GroupRequest]) -> None:
+        """Under the lock: `moved` (lost engine k's groups) to the least loaded current engines."""
+        load = list(self._owed)
+        for r in moved:
+            try:
+                j = self._least_loaded(load)
+            except EngineGroupFailure:
+                raise EngineLostError(f"rollout engine {self._names[k]} was lost and no other engine holds the "
+                                      "current weights to take its groups; stopped without saving") from None
+            self._streams[j].submit([r])
+            self._owner[r.key] = j
+            self._owed[j] += 1
+            load[j] += 1
+        self._cond.notify_all()

@@ -15,6 +15,10 @@ built from the HF folder; this side keeps the `RolloutEngine` interface and is e
 - every wait polls with a timeout and checks the child: a dead child is an EngineProcessError naming its
   exit code, a child that does not answer within the limit one naming the call; the engine is then
   unusable (its process is reaped);
+- with `restarts` (the run's budget, restarts.py), a child that dies or stops answering during a request is
+  reaped and started again; it takes the weights of the last update (kept in this process for it), the
+  sleep state, and every open stream's pending groups as they were submitted (same prompts, same seeds:
+  nothing is trained twice or dropped); then the request runs again. Past the budget: EngineLostError;
 - `shutdown()` (also on garbage collection and at interpreter exit) always reaps the child: asked to
   stop, then terminated, then killed. The child starts with the trainer's stop signals blocked
   (stop_signals.py): a SIGTERM to the job's process group leaves it serving while the trainer saves.
@@ -36,6 +40,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_dapo.rollout.base import (
+    MEMORY_TAGS,
     AbortReport,
     EngineStateError,
     GenerationAborted,
@@ -46,9 +51,11 @@ from megatron_dapo.rollout.base import (
     SamplingParams,
 )
 from megatron_dapo.rollout.process_worker import ALIGN, main
+from megatron_dapo.rollout.restarts import EngineLostError, Restarts
 from megatron_dapo.stop_signals import helpers_shielded
 from megatron_dapo.types import Sample
 
+_RESTARTABLE = ("generate", "score", "stream", "stream_submit", "stream_next", "sleep", "wake")
 CONTROL_TIMEOUT_S = 120.0
 """Limit on an answer that needs no generation (abort, submit, a weight bucket, sleep / wake, close)."""
 
@@ -62,28 +69,38 @@ class ProcessEngine(RolloutEngine):
 
     `startup_timeout_s` bounds building the engine, `request_timeout_s` one generate, one stream next() or
     one score; the other calls are bounded by CONTROL_TIMEOUT_S. `bucket_mb`: the weight buffer (a tensor
-    larger than it gets a buffer of its own size)."""
+    larger than it gets a buffer of its own size). `restarts`: restart a lost child (the module docstring)."""
 
     def __init__(self, model: str | Path, *, threads: int = 1, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, max_batch_tokens: int = 1 << 17,
                  fast_path: bool | None = None, weights_backup: bool = False, startup_timeout_s: float = 600.0,
-                 request_timeout_s: float = 3600.0, bucket_mb: int = 64) -> None:
+                 request_timeout_s: float = 3600.0, bucket_mb: int = 64, restarts: Restarts | None = None) -> None:
         if threads < 1:
             raise ValueError(f"threads={threads} must be >= 1")
         self.threads, self.request_timeout_s = threads, request_timeout_s
         self._bucket = bucket_mb << 20
         self._buffer: torch.Tensor | None = None
-        self._buffer_sent = False
         self._closed = False
-        self._broken: str | None = None
         self._cmd_lock, self._ctl_lock = threading.Lock(), threading.Lock()
         self._next_stream = 0
+        self.restarts = restarts
+        self._kept: dict[str, torch.Tensor] | None = {} if restarts is not None else None  # the last update's
+        self._released: list[str] | None = []  # what the child has released (None: everything)
+        self._streams: weakref.WeakValueDictionary[int, ProcessStream] = weakref.WeakValueDictionary()
+        self._spec = {"model": str(model), "threads": threads, "device": str(device), "dtype": dtype,
+                      "max_batch_tokens": max_batch_tokens, "fast_path": fast_path, "weights_backup": weights_backup}
+        self._startup_timeout_s = startup_timeout_s
+        self._spawn()
+
+    def _spawn(self) -> None:
+        """Start the child and wait for its engine (a failure shuts this engine down)."""
+        self._buffer_sent = False
+        self._broken: str | None = None
         ctx = mp.get_context("spawn")
         self._cmd, child_cmd = ctx.Pipe()
         self._ctl, child_ctl = ctx.Pipe()
-        spec = {"model": str(model), "threads": threads, "device": str(device), "dtype": dtype,
-                "max_batch_tokens": max_batch_tokens, "fast_path": fast_path, "weights_backup": weights_backup}
-        self._proc = ctx.Process(target=main, args=(child_cmd, child_ctl, spec), name="rollout-engine", daemon=True)
+        self._proc = ctx.Process(target=main, args=(child_cmd, child_ctl, self._spec), name="rollout-engine",
+                                 daemon=True)
         with _main_not_reimported(), helpers_shielded():  # the trainer's stop signals are not the engine's
             self._proc.start()
         child_cmd.close(), child_ctl.close()
@@ -91,7 +108,7 @@ class ProcessEngine(RolloutEngine):
         self._reaper = weakref.finalize(self, _reap, self._proc, self._cmd, self._ctl)
         try:
             with self._cmd_lock:
-                self.info: dict[str, Any] = self._wait(self._cmd, "start-up", startup_timeout_s)[0]
+                self.info: dict[str, Any] = self._wait(self._cmd, "start-up", self._startup_timeout_s)[0]
         except BaseException:
             self.shutdown()
             raise
@@ -99,6 +116,37 @@ class ProcessEngine(RolloutEngine):
     # ------------------------------------------------------------------------------------ requests
 
     def _call(self, op: str, *args: Any, timeout: float = CONTROL_TIMEOUT_S) -> tuple[Any, int | None]:
+        try:
+            return self._call_once(op, *args, timeout=timeout)
+        except EngineProcessError as e:
+            if self.restarts is None or self._closed or op not in _RESTARTABLE:
+                raise
+            self._restart(str(e))
+            if op == "stream_submit":  # its groups were resubmitted with the stream's pending ones
+                return None, self._streams[args[0]].pending
+            return self._call_once(op, *args, timeout=timeout)
+
+    def _restart(self, why: str) -> None:
+        """The child is lost (already reaped): one restart from the budget, a new child, the state replayed."""
+        self.restarts.take(f"process engine (pid {self.pid})", why)
+        try:
+            self._spawn()
+        except Exception as e:
+            raise EngineLostError(f"the rollout engine's process did not start again after a restart: {e}; "
+                                  "stopped without saving") from e
+        if self._kept:
+            self._push(self._kept.items(), keep=False)
+        if self._released is None or self._released:
+            self._call_once("sleep", self._released)
+        moved = 0
+        for sid, stream in sorted(self._streams.items()):
+            self._call_once("stream", sid)
+            if stream.requests:
+                self._call_once("stream_submit", sid, list(stream.requests.values()))
+                moved += len(stream.requests)
+        self.restarts.resubmitted(moved)
+
+    def _call_once(self, op: str, *args: Any, timeout: float = CONTROL_TIMEOUT_S) -> tuple[Any, int | None]:
         with self._cmd_lock:
             self._check_usable()
             self._send(self._cmd, (op, args), op)
@@ -167,11 +215,17 @@ class ProcessEngine(RolloutEngine):
             sid = self._next_stream
             self._next_stream += 1
         self._call("stream", sid)
-        return ProcessStream(self, sid)
+        stream = ProcessStream(self, sid)
+        self._streams[sid] = stream
+        return stream
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Bucket by bucket through the shared buffer: each bucket is copied into the child's weights (and
         checked there, name and shape, as the in-process engine checks them) before the next is written."""
+        self._push(named_tensors, keep=self._kept is not None)
+
+    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep: bool) -> None:
+        """update_weights; `keep`: also keep a copy of each tensor for a restarted child."""
         with self._cmd_lock:
             self._check_usable()
             entries: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
@@ -186,6 +240,8 @@ class ProcessEngine(RolloutEngine):
                     self._buffer_sent = False
                 view = self._buffer[used:used + nbytes].view(tensor.dtype).view(tensor.shape)
                 view.copy_(tensor.detach())
+                if keep:
+                    self._kept[name] = tensor.detach().clone()
                 entries.append((name, tensor.dtype, tuple(tensor.shape), used))
                 used = -(-(used + nbytes) // ALIGN) * ALIGN
             if entries:
@@ -199,9 +255,15 @@ class ProcessEngine(RolloutEngine):
 
     def sleep(self, tags: Sequence[str] | None = None) -> None:
         self._call("sleep", None if tags is None else list(tags))
+        if self._released is not None:
+            self._released = None if tags is None else sorted({*self._released, *tags})
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
         self._call("wake", None if tags is None else list(tags))
+        if tags is None:
+            self._released = []
+        else:
+            self._released = [t for t in (MEMORY_TAGS if self._released is None else self._released) if t not in tags]
 
     def resident_bytes(self) -> dict[str, int]:
         """On the control channel: the phases' ledger asks while a generation holds the request channel (the
@@ -251,6 +313,8 @@ class ProcessStream(RolloutStream):
 
     def __init__(self, engine: ProcessEngine, sid: int) -> None:
         self._engine, self._sid, self._pending, self._closed = engine, sid, 0, False
+        self.requests: dict[int, GroupRequest] = {}
+        """The groups submitted and not yet returned or cancelled (resubmitted to a restarted child)."""
 
     @property
     def pending(self) -> int:
@@ -269,14 +333,23 @@ class ProcessStream(RolloutStream):
         return value
 
     def submit(self, requests: Sequence[GroupRequest]) -> None:
-        self._call("stream_submit", list(requests))
+        self.requests.update((r.key, r) for r in requests)
+        try:
+            self._call("stream_submit", list(requests))
+        except Exception:
+            for r in requests:
+                self.requests.pop(r.key, None)
+            raise
 
     def next(self) -> GroupResult:
-        return self._call("stream_next", timeout=self._engine.request_timeout_s)
+        result = self._call("stream_next", timeout=self._engine.request_timeout_s)
+        self.requests.pop(result.key, None)
+        return result
 
     def abort(self) -> AbortReport:
         report, _ = self._engine._control("stream_abort", self._sid)
         self._pending = 0
+        self.requests.clear()
         return report if report is not None else AbortReport(keys=[], tokens=0)
 
     def close(self) -> None:
@@ -287,6 +360,7 @@ class ProcessStream(RolloutStream):
                 self._call("stream_close")  # aborts what is pending, as the in-process stream's close
         finally:
             self._closed, self._pending = True, 0
+            self.requests.clear()
 
 
 @contextmanager

@@ -134,10 +134,20 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         self.weight_groups: list[WeightBroadcastGroup] = []
         """The broadcast groups this server is in (left at shutdown)."""
         self.last_update = WeightUpdateStats()
+        self.stale_weights = False
+        """Restarted since the last weight update: it holds the checkpoint's weights, not the current ones."""
         self.trainer_host = trainer_host or server.get("host", "127.0.0.1")
         super().__init__(model_path, cfg, **server)
         self._weight_group = WeightBroadcastGroup([self], self.trainer_host)
         self.weight_groups.append(self._weight_group)
+
+    def restart(self) -> None:
+        """As SGLangServer.restart; the server comes back awake, holding the checkpoint's weights (`stale_weights`
+        until the next update_weights), and out of the weight-broadcast groups it was in."""
+        self._released, self._memory_sizes, self.stale_weights = set(), None, True
+        super().restart()
+        for group in self.weight_groups:  # rejoined (under a new name) by the next update
+            group.destroy()
 
     def shutdown(self) -> None:
         if self._closed:
@@ -354,6 +364,7 @@ class SGLangEngine(SGLangServer, RolloutEngine):
                                                 "weight_version": version})
 
     def record_update(self, transport: str, counts: NodeSyncCounts) -> None:
+        self.stale_weights = False
         self.last_update = WeightUpdateStats(seconds=counts.seconds, bytes=counts.bytes,
                                              tensors=counts.tensors, buckets=counts.buckets,
                                              transport=transport)

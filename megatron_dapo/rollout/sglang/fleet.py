@@ -25,6 +25,7 @@ import torch
 from megatron_dapo.config import DEFAULT_BUCKET_MB, SGLangConfig
 from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.rollout.engine_group import EngineGroup
+from megatron_dapo.rollout.restarts import Restarts
 from megatron_dapo.rollout.sglang.engine import SGLangEngine
 from megatron_dapo.rollout.sglang.environment import check_node_addresses, node_address
 from megatron_dapo.rollout.sglang.server import SGLangServerError
@@ -44,12 +45,14 @@ def servers_per_node(cfg: SGLangConfig) -> int:
     return max(gpus // cfg.tensor_parallel, 1)
 
 
-def launch_servers(model_path: str | Path, cfg: SGLangConfig, **engine_kwargs: Any) -> RolloutEngine:
+def launch_servers(model_path: str | Path, cfg: SGLangConfig, restarts: Restarts | None = None,
+                   **engine_kwargs: Any) -> RolloutEngine:
     """cfg.num_servers servers (server k: port base_port + k, devices from k*TP), started together.
 
     The processes are spawned from the calling thread (their parent-death signal follows it) and
     waited for in parallel. If any fails to start, all are stopped and the first failure (in server
-    order) is raised. `engine_kwargs` go to every `SGLangEngine` (bucket_mb, dtype, device, log_dir...).
+    order) is raised. `engine_kwargs` go to every `SGLangEngine` (bucket_mb, dtype, device, log_dir...);
+    `restarts`: the run's budget for restarting lost servers (engine_group.py).
     """
     count = servers_per_node(cfg)
     if count == 1:
@@ -67,7 +70,7 @@ def launch_servers(model_path: str | Path, cfg: SGLangConfig, **engine_kwargs: A
             with suppress(Exception):
                 engine.shutdown()
         raise
-    return EngineGroup(engines)
+    return EngineGroup(engines, restarts=restarts)
 
 
 @dataclass
@@ -93,7 +96,8 @@ def bucket_bytes(cfg: SGLangConfig, bucket_mb: int) -> int:
     return int((bucket_mb or DEFAULT_BUCKET_MB[cfg.weight_sync]) * 2**20)
 
 
-def start_job_servers(model_path: str | Path, cfg: SGLangConfig, **engine_kwargs: Any) -> JobServers:
+def start_job_servers(model_path: str | Path, cfg: SGLangConfig, restarts: Restarts | None = None,
+                      **engine_kwargs: Any) -> JobServers:
     """Called by every rank of the job (a collective). The lowest rank of each node starts cfg.num_servers
     servers there (bound to 127.0.0.1 in a one-node job, else to `node_address()`; node n's server k on
     port base_port + n * num_servers + k); every node's servers take their weights from that node's own
@@ -110,7 +114,7 @@ def start_job_servers(model_path: str | Path, cfg: SGLangConfig, **engine_kwargs
     sync_bytes = bucket_bytes(cfg, engine_kwargs.get("bucket_mb", 0))
     colocated = bool(engine_kwargs.get("colocate", True))
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        engine = launch_servers(model_path, cfg, **engine_kwargs)
+        engine = launch_servers(model_path, cfg, restarts, **engine_kwargs)
         servers = list(engine.engines) if isinstance(engine, EngineGroup) else [engine]
         layout = NodeLayout(node=0, ranks=(0,), servers=len(servers), tp=cfg.tensor_parallel,
                             colocated=colocated)
@@ -158,7 +162,7 @@ def start_job_servers(model_path: str | Path, cfg: SGLangConfig, **engine_kwargs
                                        trainer_host=host, **engine_kwargs))
     log.info("SGLang servers: %s; each node's servers take their weights from the node's own ranks (%s)",
              ", ".join([e.url for e in owned] + [f"{e.url} (attached)" for e in remote]), cfg.weight_sync)
-    engine = owned[0] if len(owned) == 1 and not remote else EngineGroup([*owned, *remote])
+    engine = owned[0] if len(owned) == 1 and not remote else EngineGroup([*owned, *remote], restarts=restarts)
     return JobServers(engine, [], sync)
 
 

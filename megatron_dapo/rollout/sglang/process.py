@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,18 @@ def start_server_process(cmd: Sequence[str], *, stdout: Any, env: dict[str, str]
     finally:
         os.close(read)
     return proc, write
+
+
+_LAUNCHER: ThreadPoolExecutor | None = None
+
+
+def in_lasting_thread(start: Callable[[], Any]) -> Any:
+    """`start()` run in one thread that lives as long as this process: a server's parent-death signal follows
+    the thread that started it, and a restart runs in a thread that ends soon after."""
+    global _LAUNCHER
+    if _LAUNCHER is None:
+        _LAUNCHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-launcher")
+    return _LAUNCHER.submit(start).result()
 
 
 def _server_preexec(kill_with_parent: bool) -> Callable[[], None]:

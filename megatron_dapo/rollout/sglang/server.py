@@ -32,9 +32,11 @@ import torch
 from megatron_dapo.config import SGLangConfig
 from megatron_dapo.rollout.base import EngineStateError
 from megatron_dapo.rollout.sglang.environment import missing_cuda_modules, server_environment
+from megatron_dapo.rollout.sglang.health import HealthWatch
 from megatron_dapo.rollout.sglang.process import (
     child_processes,
     file_tail,
+    in_lasting_thread,
     kill_process_group,
     port_in_use,
     same_process,
@@ -123,6 +125,9 @@ class SGLangServer:
         self._watchdog: int | None = None  # the write end of the pipe the server's watchdog reads
         self._children: list[tuple[int, float]] = []
         self.attached = attach
+        self._health: HealthWatch | None = None
+        self._ready = threading.Event()  # clear while a restart is under way: calls wait for it
+        self._ready.set()
         self._cmd = self._launch_command(dtype, colocate, max_total_tokens, extra_args)
         self._started_at = time.monotonic()
         if not attach:
@@ -221,6 +226,8 @@ class SGLangServer:
             self._kill(grace_s=0.0)  # also the watchdog of a server that exited
             _LIVE_SERVERS.discard(self)
             raise
+        finally:
+            self._ready.set()
 
     def _wait_ready(self) -> None:
         deadline = self._started_at + self.cfg.startup_timeout_s
@@ -246,6 +253,9 @@ class SGLangServer:
                 )
             time.sleep(0.5)
         self._children = child_processes(self._proc.pid) if self._proc is not None else []
+        if self._proc is not None:
+            self._health = HealthWatch(lambda path, t: self._http("GET", path, None, timeout=t)[0],
+                                       self.cfg.health_timeout_s)
 
     def _fatal_startup_error(self) -> str | None:
         """A startup failure after which SGLang lingers instead of exiting (its HTTP port taken: uvicorn
@@ -278,6 +288,36 @@ class SGLangServer:
             reason = self.dead_reason()
         return reason
 
+    def hung(self) -> str | None:
+        """Why the server counts as hung (its health check silent for cfg.health_timeout_s), None if it is not."""
+        return self._health.hung() if self._health is not None else None
+
+    def lost(self) -> str | None:
+        """Why a started server is lost for good (dead, or hung), None while it serves or after shutdown()."""
+        if self.attached or self._closed or not self._ready.is_set():
+            return None
+        return self.dead_reason() or self.hung()
+
+    def kill(self) -> None:
+        """Stop the server's whole process group at once (a hung server gets no grace); calls wait for restart()."""
+        if self.attached:
+            raise EngineStateError(f"SGLang engine {self.url} is attached: its own node restarts it")
+        self._ready.clear()
+        self._kill(grace_s=0.0)
+
+    def restart(self) -> None:
+        """Stop the server for good (its whole process group, at once: a hung server gets no grace) and start
+        it again on the same devices and port; returns once it answers. It holds the checkpoint's weights."""
+        self.kill()
+        self._closed = False
+        try:
+            in_lasting_thread(self._start)
+        except BaseException:
+            self._closed = True
+            self._ready.set()
+            raise
+        self.wait_ready()
+
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
@@ -294,6 +334,9 @@ class SGLangServer:
 
     def _kill(self, grace_s: float | None = None) -> None:
         """Ask the server's process group to stop, SIGKILL it after the grace period; by PID, never by name."""
+        if self._health is not None:
+            self._health.stop()
+            self._health = None
         if self._proc is not None:
             kill_process_group(self._proc, self._children, self.shutdown_grace_s if grace_s is None else grace_s)
         if self._watchdog is not None:
@@ -324,6 +367,8 @@ class SGLangServer:
 
     def call(self, method: str, path: str, body: Any = None, *, timeout: float) -> Any:
         """One HTTP call with a hard deadline, watching the server's processes while it runs."""
+        if not self._ready.is_set():  # a restart is under way
+            self._ready.wait(self.cfg.startup_timeout_s)
         if self._closed:
             raise EngineStateError(f"SGLang engine {self.url} is shut down")
         result: dict[str, Any] = {}
@@ -341,7 +386,7 @@ class SGLangServer:
             worker.join(min(1.0, max(0.0, deadline - time.monotonic())))
             if not worker.is_alive():
                 break
-            dead = self._dead_reason_settled()
+            dead = self._dead_reason_settled() or self.hung()
             if dead is not None:
                 raise self._error(f"{dead} while serving {method} {path}")
             if time.monotonic() >= deadline:

@@ -1,0 +1,86 @@
+"""A run's budget of rollout-engine restarts (rollout.sglang.max_restarts) and what they cost (monitors).
+
+An engine that dies or hangs mid-generation is restarted in place by whoever drives it (an engine group's
+stream or rounds, the process engine); each restart first takes one from this budget. Past it, the run
+stops with `EngineLostError`: one line naming the engine, why it was lost (its exit status) and the last
+lines of its log.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+class EngineLostError(RuntimeError):
+    """A rollout engine died or hung and could not be restarted (the budget is spent, or it did not start
+    again); the run stops without saving anything new."""
+
+
+@dataclass
+class Restarts:
+    """`max_restarts` restarts for the whole run; the counters are the run's totals."""
+
+    max_restarts: int
+    engine_restarts: int = 0
+    resubmitted_groups: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def take(self, name: str, why: str, log_tail: str = "") -> None:
+        """Account for restarting engine `name` (lost because `why`); EngineLostError past the budget."""
+        with self._lock:
+            if self.engine_restarts >= self.max_restarts:
+                tail = " | ".join(line.strip() for line in log_tail.splitlines()[-5:] if line.strip())
+                raise EngineLostError(
+                    f"rollout engine {name}: {why}, after {self.engine_restarts} restart(s) this run "
+                    f"(rollout.sglang.max_restarts={self.max_restarts}); stopped without saving"
+                    + (f"; last lines of its log: {tail}" if tail else ""))
+            self.engine_restarts += 1
+        log.warning("rollout engine %s: %s; restarting it (restart %d of at most %d this run)", name, why,
+                    self.engine_restarts, self.max_restarts)
+
+    def resubmitted(self, count: int) -> None:
+        with self._lock:
+            self.resubmitted_groups += count
+
+    def scalars(self) -> dict[str, float]:
+        return {"rollout/engine_restarts": float(self.engine_restarts),
+                "rollout/resubmitted_groups": float(self.resubmitted_groups)}
+
+
+@dataclass
+class EngineRecovery:
+    """How a group recovers its engine k: a restartable engine (`lost`, `kill`, `restart`; SGLang servers) that
+    is lost is killed, its groups go to the engines that hold the current weights (`fresh`), and it starts again
+    (stale until the next weight update)."""
+
+    engines: list
+    names: list[str]
+    restarts: Restarts
+
+    def lost(self, k: int) -> str | None:
+        engine = self.engines[k]
+        if not all(hasattr(engine, a) for a in ("lost", "kill", "restart")):
+            return None
+        return engine.lost()
+
+    def fresh(self, k: int) -> bool:
+        return not getattr(self.engines[k], "stale_weights", False)
+
+    def take(self, k: int, why: str) -> None:
+        """One restart from the budget (EngineLostError past it), then the engine is stopped for good."""
+        tail = getattr(self.engines[k], "log_tail", lambda: "")()
+        self.restarts.take(self.names[k], why, tail)
+        self.engines[k].kill()
+
+    def restart(self, k: int) -> None:
+        """Blocking; EngineLostError when it does not start again."""
+        try:
+            self.engines[k].restart()
+        except Exception as e:  # noqa: BLE001 - becomes the run's one line
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise EngineLostError(f"rollout engine {self.names[k]} did not start again after a restart: {first}; "
+                                  "stopped without saving") from e

@@ -1,0 +1,247 @@
+"""Restarting a lost rollout engine mid-run (rollout/restarts.py, engine_group.py, group_stream.py): scripted
+engines whose samples are a function of their request (prompt, seed), so the groups a run receives can be
+checked against what one undisturbed engine gives; and a fake SGLang server that is hung (SIGSTOP), noticed by
+its health check, stopped for good and started again."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+from sglang_support import process_gone
+
+from megatron_dapo.rollout.base import AbortReport, GroupRequest, GroupResult, RolloutEngine, RolloutStream, SamplingParams
+from megatron_dapo.rollout.engine_group import EngineGroup
+from megatron_dapo.rollout.restarts import EngineLostError, Restarts
+from megatron_dapo.rollout.sglang.health import HealthWatch
+from megatron_dapo.types import Sample
+
+N = 3
+
+
+def scripted(prompt, seed: int, k: int) -> Sample:
+    """Sample k of a group: what any engine, undisturbed, returns for (prompt, seed)."""
+    return Sample(prompt_ids=list(prompt), response_ids=[seed + k, sum(prompt)], rollout_logprobs=[-1.0, -2.0],
+                  finish_reason="stop")
+
+
+def request(key: int) -> GroupRequest:
+    return GroupRequest(key=key, prompt_ids=[key + 1, 7], n=N, sampling=SamplingParams(seed=1000 + 10 * key))
+
+
+def expected(key: int) -> list[Sample]:
+    r = request(key)
+    return [scripted(r.prompt_ids, r.sampling.seed, k) for k in range(N)]
+
+
+class ScriptedStream(RolloutStream):
+    def __init__(self, engine: Scripted) -> None:
+        self.engine, self.cond = engine, threading.Condition()
+        self.queue: list[GroupRequest] = []
+
+    @property
+    def pending(self) -> int:
+        return len(self.queue)
+
+    def submit(self, requests):
+        with self.cond:
+            self.queue += list(requests)
+            self.cond.notify_all()
+
+    def next(self):
+        self.engine.check_alive()
+        if self.engine.delivered == self.engine.dies_after:
+            self.engine.dead = True  # the server process is gone (SIGKILL, OOM)
+            self.engine.check_alive()
+        time.sleep(0.01)
+        with self.cond:
+            r = self.queue.pop(0)
+        self.engine.delivered += 1
+        self.engine.served.append(r.key)
+        return GroupResult(key=r.key, samples=[scripted(r.prompt_ids, r.sampling.seed, k) for k in range(r.n)])
+
+    def abort(self):
+        with self.cond:
+            keys, self.queue = sorted(r.key for r in self.queue), []
+        return AbortReport(keys=keys, tokens=0)
+
+
+class Scripted(RolloutEngine):
+    """A restartable engine (as SGLangEngine: lost / kill / restart / stale_weights) that dies after
+    delivering `dies_after` groups."""
+
+    def __init__(self, dies_after: int | None = None) -> None:
+        self.dies_after, self.delivered, self.dead = dies_after, 0, False
+        self.served: list[int] = []
+        self.stale_weights, self.restarted, self.killed = False, 0, 0
+
+    def check_alive(self):
+        if self.dead:
+            raise RuntimeError("SGLang server exited with code -9 while serving POST /generate")
+
+    def lost(self):
+        return "exited with code -9" if self.dead else None
+
+    def kill(self):
+        self.killed += 1
+
+    def restart(self):
+        time.sleep(0.05)
+        self.dead, self.dies_after, self.stale_weights = False, None, True
+        self.restarted += 1
+
+    def log_tail(self):
+        return "line one\nCUDA error: an illegal memory access was encountered"
+
+    def generate(self, prompts, n, sampling):
+        if self.dies_after == 0:
+            self.dead = True
+        self.check_alive()
+        return [[scripted(p, sampling.seed + i * n, k) for k in range(n)] for i, p in enumerate(prompts)]
+
+    def stream(self):
+        return ScriptedStream(self)
+
+    def update_weights(self, named_tensors):
+        list(named_tensors)
+        self.stale_weights = False
+
+    sleep = wake = abort = shutdown = lambda self, *a: None  # type: ignore[assignment]
+
+    def health(self):
+        return not self.dead
+
+
+def drain(stream, count: int) -> dict[int, list[Sample]]:
+    out = {}
+    for _ in range(count):
+        r = stream.next()
+        assert r.key not in out, f"group {r.key} delivered twice"
+        out[r.key] = r.samples
+    assert stream.pending == 0
+    return out
+
+
+def test_a_dead_engines_groups_are_generated_by_the_others_and_it_restarts():
+    a, b = Scripted(dies_after=1), Scripted()
+    restarts = Restarts(max_restarts=2)
+    group = EngineGroup([a, b], names=["a", "b"], restarts=restarts)
+    with group.stream() as stream:
+        stream.submit([request(k) for k in range(8)])
+        got = drain(stream, 8)
+        assert got == {k: expected(k) for k in range(8)}  # nothing dropped, nothing twice, the same samples
+        deadline = time.monotonic() + 10
+        while not a.restarted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (a.killed, a.restarted) == (1, 1) and a.served == [0]
+        assert restarts.scalars() == {"rollout/engine_restarts": 1.0, "rollout/resubmitted_groups": 3.0}
+        stream.submit([request(k) for k in range(8, 12)])  # a restarted engine holds stale weights: none for it
+        assert drain(stream, 4) == {k: expected(k) for k in range(8, 12)} and a.served == [0]
+    group.update_weights([])  # the next weight update makes it current again
+    with group.stream() as stream:
+        stream.submit([request(k) for k in range(12, 16)])
+        assert drain(stream, 4) == {k: expected(k) for k in range(12, 16)} and len(a.served) == 3
+
+
+def test_rounds_regenerate_a_dead_engines_chunk_with_its_seeds():
+    a, b = Scripted(dies_after=0), Scripted()
+    restarts = Restarts(max_restarts=1)
+    group = EngineGroup([a, b], restarts=restarts)
+    prompts = [[k + 1, 7] for k in range(6)]
+    want = Scripted().generate(prompts, N, SamplingParams(seed=5))
+    assert group.generate(prompts, N, SamplingParams(seed=5)) == want
+    assert a.restarted == 1 and restarts.resubmitted_groups == 3
+    assert group.generate(prompts, N, SamplingParams(seed=5)) == want  # a is up, not current: b takes its chunk
+
+
+def test_past_max_restarts_the_stream_stops_with_one_line_naming_the_engine():
+    a, b = Scripted(dies_after=1), Scripted()
+    group = EngineGroup([a, b], names=["http://127.0.0.1:30001", "b"], restarts=Restarts(max_restarts=0))
+    with group.stream() as stream:
+        stream.submit([request(k) for k in range(6)])
+        with pytest.raises(EngineLostError) as err:
+            drain(stream, 6)
+    line = str(err.value)
+    assert "\n" not in line and a.restarted == 0 and a.killed == 0
+    assert "rollout engine http://127.0.0.1:30001: exited with code -9, after 0 restart(s)" in line
+    assert "rollout.sglang.max_restarts=0" in line and "an illegal memory access" in line
+
+
+def test_without_restarts_a_dead_engine_still_fails_the_stream():
+    a, b = Scripted(dies_after=1), Scripted()
+    with EngineGroup([a, b], names=["a", "b"]).stream() as stream:
+        stream.submit([request(k) for k in range(4)])
+        with pytest.raises(RuntimeError, match="streaming failed on rollout engine a"):
+            drain(stream, 4)
+
+
+def test_a_hung_server_is_noticed_by_its_health_check_and_restarted(fake_python):
+    server = fake_python("serve", health_timeout_s=1.5, request_timeout_s=60)
+    try:
+        assert server.lost() is None
+        old, port = server.pid, server.port
+        os.kill(old, signal.SIGSTOP)  # hung: alive, answers nothing
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"did not answer its health check for \d+ s "
+                                               r"\(rollout.sglang.health_timeout_s=1.5\) while serving POST /generate"):
+            server.post("/generate", {})
+        assert time.monotonic() - t0 < 15 and "health check" in server.lost()
+        server.kill()
+        assert process_gone(old)  # stopped for good, although stopped processes ignore a polite signal
+        server.restart()
+        assert server.pid != old and server.port == port and server.lost() is None and server.health()
+        assert server.stale_weights  # the checkpoint's weights until the next update
+    finally:
+        server.shutdown()
+
+
+def test_a_run_that_lost_an_engine_exits_1_with_one_line(monkeypatch, capsys):
+    """run_training: EngineLostError (raised out of the step, before its save) is one line and exit status 1."""
+    import megatron_dapo.train as train_module
+    from megatron_dapo.config import Config
+
+    lost = Restarts(max_restarts=0)
+    with pytest.raises(EngineLostError) as err:
+        lost.take("http://127.0.0.1:30001", "exited with code -9", "a\nb\nKilled")
+
+    def train(cfg):
+        raise err.value
+
+    monkeypatch.setattr(train_module, "train", train)
+    assert train_module.run_training(Config()) == 1
+    out = capsys.readouterr().err.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("train: error: rollout engine http://127.0.0.1:30001: exited with "
+                                               "code -9") and out[0].endswith("last lines of its log: a | b | Killed")
+
+
+def test_an_engine_lost_between_rollouts_is_revived_at_the_next_phase_change():
+    a, b = Scripted(), Scripted()
+    restarts = Restarts(max_restarts=1)
+    group = EngineGroup([a, b], restarts=restarts)
+    a.dead = True  # died while the actor trained: it held no group
+    group.revive()
+    assert (a.killed, a.restarted, b.restarted) == (1, 1, 0) and restarts.resubmitted_groups == 0
+    group.revive()  # nothing lost: nothing restarted
+    assert a.restarted == 1 and restarts.engine_restarts == 1
+
+
+def test_the_health_check_generates_nothing_and_falls_back_on_an_older_server():
+    """The load report (SGLang's /health would generate a token), else /model_info; silence past the timeout is
+    a hang."""
+    asked: list[str] = []
+
+    def older(path, timeout):
+        asked.append(path)
+        return 404 if path.startswith("/v1/loads") else 200
+
+    watch, silent = HealthWatch(older, timeout_s=0.4), HealthWatch(lambda path, timeout: 503, timeout_s=0.4)
+    time.sleep(0.8)
+    watch.stop(), silent.stop()
+    assert watch.hung() is None and "/health" not in asked and asked[:2] == ["/v1/loads?include=core", "/model_info"]
+    assert set(asked[2:]) == {"/model_info"}
+    assert re.fullmatch(r"did not answer its health check for \d+ s \(rollout.sglang.health_timeout_s=0.4\)",
+                        silent.hung())
