@@ -10,7 +10,8 @@ import torch
 
 from megatron_dapo.config import Config, SGLangConfig
 from megatron_dapo.loop import determinism
-from megatron_dapo.rollout.sglang.server import DETERMINISTIC_FLAG, SGLangServer
+from megatron_dapo.rollout.sglang.launch import DETERMINISTIC_FLAG
+from megatron_dapo.rollout.sglang.server import SGLangServer
 
 
 def test_the_environment_is_filled_where_unset_and_a_contradiction_refused():
@@ -36,10 +37,10 @@ def test_the_trainer_passes_the_setting_to_its_servers(monkeypatch):
     from megatron_dapo.rollout.sglang import fleet
 
     seen = {}
-    monkeypatch.setattr(fleet, "start_job_servers", lambda hf_dir, cfg, **kw: seen.update(kw))
+    monkeypatch.setattr(fleet, "start_job_servers", lambda hf_dir, cfg, restarts, **kw: seen.update(kw))
     cfg = Config()
     cfg.train.deterministic = True
-    engines._start_sglang(cfg, "/models/x", None)
+    engines._start_sglang(cfg, "/models/x", None, None)
     assert seen["deterministic"] is True
 
 

@@ -240,7 +240,8 @@ def test_the_health_check_generates_nothing_and_falls_back_on_an_older_server():
 
     watch, silent = HealthWatch(older, timeout_s=0.4), HealthWatch(lambda path, timeout: 503, timeout_s=0.4)
     time.sleep(0.8)
-    watch.stop(), silent.stop()
+    watch.stop()
+    silent.stop()
     assert watch.hung() is None and "/health" not in asked and asked[:2] == ["/v1/loads?include=core", "/model_info"]
     assert set(asked[2:]) == {"/model_info"}
     assert re.fullmatch(r"did not answer its health check for \d+ s \(rollout.sglang.health_timeout_s=0.4\)",

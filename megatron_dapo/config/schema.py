@@ -9,6 +9,7 @@ from typing import ClassVar, Literal
 from megatron_dapo.config.fields import (  # noqa: F401 - the tree's vocabulary, imported from here too
     DEFAULT_BUCKET_MB, POLICY_LOSSES, PROMPT_TEMPLATES, REWARD_FUNCTION, REWARDS, ConfigError, FilterMetric, LossAggMode,
     OnExhausted, knob)
+from megatron_dapo.config.sglang import SGLangConfig
 
 
 @dataclass(kw_only=True)
@@ -109,38 +110,6 @@ class ActorConfig:
             raise ValueError("actor.shared_prefix=on needs the local layer spec (model.transformer_impl=local): "
                              "Transformer Engine's causal attention ignores the block mask")
         return True
-
-
-@dataclass(kw_only=True)
-class SGLangConfig:
-    mem_fraction_static: float = knob(0.6, "(0, 1)")
-    """Fraction of GPU memory SGLang takes for weights + KV cache when colocated."""
-    tensor_parallel: int = knob(1, "[1, inf)")
-    """TP size of each SGLang server (one server per rollout TP group)."""
-    num_servers: int = knob(0, "[0, inf)", "0 = fill the node")
-    """SGLang servers per node, one per rollout TP group (0 = fill the node: visible GPUs // TP, one on
-    CPU). Server k uses GPUs k*TP .. k*TP+TP-1; prompts are split evenly over all servers of the job,
-    weight updates go to every one."""
-    base_port: int = knob(30000, "[1, 65535]", on_resume=True)
-    """First port; server k listens on base_port + k, bound to 127.0.0.1. Keep the ports outside 22000-29999:
-    SGLang draws each server's torch.distributed port there, and one may take a port a server binds later."""
-    startup_timeout_s: float = knob(600.0, "(0, inf)", on_resume=True)
-    """Fail (naming the server log) if /health does not answer within this time."""
-    request_timeout_s: float = knob(3600.0, "(0, inf)", on_resume=True)
-    """Fail a /generate call that takes longer than this."""
-    weight_sync: Literal["tensor", "distributed", "disk"] = "tensor"
-    """tensor = colocated in-memory buckets; distributed = NCCL broadcast; disk = via files."""
-    extra_args: str = ""
-    """Extra `sglang.launch_server` flags, passed through verbatim."""
-    max_restarts: int = knob(3, "[0, inf)", "0 = a lost engine stops the run", on_resume=True)
-    """Rollout engines restarted per run. A server of several (num_servers >= 2) that dies, or misses its health
-    check for health_timeout_s, is stopped for good (its process group) and started again on its devices and
-    port while the others generate its groups again from their prompts with their seeds; it takes the current
-    weights at the next weight sync (the probe checks them). The embedded engine's own process
-    (rollout.colocate=false) comes back with the last weights and its pending groups. A lone server is not
-    restarted. Past this many, the run stops with one line naming the engine and its log, saving nothing new."""
-    health_timeout_s: float = knob(120.0, "(0, inf)", on_resume=True)
-    """A server whose /health does not answer for this long while the trainer waits on it counts as hung."""
 
 
 @dataclass(kw_only=True)

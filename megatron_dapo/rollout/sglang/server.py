@@ -33,6 +33,7 @@ from megatron_dapo.config import SGLangConfig
 from megatron_dapo.rollout.base import EngineStateError
 from megatron_dapo.rollout.sglang.environment import missing_cuda_modules, server_environment
 from megatron_dapo.rollout.sglang.health import HealthWatch
+from megatron_dapo.rollout.sglang.launch import default_python, launch_command
 from megatron_dapo.rollout.sglang.process import (
     child_processes,
     file_tail,
@@ -43,31 +44,11 @@ from megatron_dapo.rollout.sglang.process import (
     start_server_process,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_VENV_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
-CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
-"""KV-cache size on CPU when none is given (SGLang's own default there is ~15 GB of RAM)."""
 _LOG_TAIL_LINES = 30
-DETERMINISTIC_FLAG = "--enable-deterministic-inference"
-"""Batch-invariant kernels, pytorch sampling, a deterministic attention backend: only then does SGLang honour the
-per-request sampling seed (sglang 0.5.23 arg_groups/overrides.py refuses torch_native, the CPU engine's)."""
 
 
 class SGLangServerError(RuntimeError):
     """The SGLang server died, did not start, did not answer in time, or refused a request."""
-
-
-# ----------------------------------------------------------------------------------------- helpers
-
-
-def default_python() -> str:
-    """The python that runs the server: $MEGATRON_DAPO_SGLANG_PYTHON, else the venv of
-    tools/sglang_venv.sh ($MEGATRON_DAPO_SGLANG_VENV or the repo's .venv-sglang) if built, else ours."""
-    if os.environ.get("MEGATRON_DAPO_SGLANG_PYTHON"):
-        return os.environ["MEGATRON_DAPO_SGLANG_PYTHON"]
-    venv = os.environ.get("MEGATRON_DAPO_SGLANG_VENV")
-    candidate = Path(venv) / "bin" / "python" if venv else DEFAULT_VENV_PYTHON
-    return str(candidate) if candidate.exists() else sys.executable
 
 
 class SGLangServer:
@@ -128,7 +109,7 @@ class SGLangServer:
         self._health: HealthWatch | None = None
         self._ready = threading.Event()  # clear while a restart is under way: calls wait for it
         self._ready.set()
-        self._cmd = self._launch_command(dtype, colocate, max_total_tokens, extra_args)
+        self._cmd = launch_command(self, dtype, colocate, max_total_tokens, extra_args)
         self._started_at = time.monotonic()
         if not attach:
             self._check_python(colocate)
@@ -137,51 +118,6 @@ class SGLangServer:
             self.wait_ready()
 
     # ------------------------------------------------------------------------------- lifecycle
-
-    def _launch_command(
-        self, dtype: str, colocate: bool, max_total_tokens: int | None, extra_args: Sequence[str]
-    ) -> list[str]:
-        user = shlex.split(self.cfg.extra_args) + list(extra_args)
-        cmd = [
-            self.python,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            self.model_path,
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            "--skip-tokenizer-init",
-            "--dtype",
-            dtype,
-            "--tp-size",
-            str(self.cfg.tensor_parallel),
-            "--sleep-on-idle",  # else an idle scheduler spins a CPU core, taken from the trainer beside it
-        ]
-        if self.device == "cpu":
-            cmd += [
-                "--device",
-                "cpu",
-                "--attention-backend",
-                "torch_native",
-                "--cuda-graph-backend-decode=disabled",
-                "--cuda-graph-backend-prefill=disabled",
-            ]
-            if max_total_tokens is None and not any(a.startswith("--max-total-tokens") for a in user):
-                max_total_tokens = CPU_DEFAULT_MAX_TOTAL_TOKENS
-        else:
-            cmd += ["--mem-fraction-static", str(self.cfg.mem_fraction_static),
-                    "--base-gpu-id", str(self.server_index * self.cfg.tensor_parallel)]
-            if colocate:
-                cmd.append("--enable-memory-saver")
-        if max_total_tokens is not None:
-            cmd += ["--max-total-tokens", str(max_total_tokens)]
-        if self.api_key:
-            cmd.append(f"--api-key={self.api_key}")  # one token: a key may begin with "-"
-        if self.deterministic and self.device != "cpu" and DETERMINISTIC_FLAG not in user:
-            cmd.append(DETERMINISTIC_FLAG)  # the CPU engine (torch_native) refuses it: CPU samples are not seeded
-        return cmd + user
 
     def _server_env(self) -> dict[str, str]:
         own = Path(self.python).resolve() == Path(sys.executable).resolve()
