@@ -9,6 +9,7 @@ from typing import ClassVar, Literal
 from megatron_dapo.config.fields import (  # noqa: F401 - the tree's vocabulary, imported from here too
     DEFAULT_BUCKET_MB, POLICY_LOSSES, PROMPT_TEMPLATES, REWARD_FUNCTION, REWARDS, ConfigError, FilterMetric, LossAggMode,
     OnExhausted, knob)
+from megatron_dapo.config.tools import ToolsConfig
 
 
 @dataclass(kw_only=True)
@@ -184,6 +185,8 @@ class RolloutConfig:
     async_mode: Literal["batch", "stream"] = "batch"
     """batch: new weights reach the engine between batches; stream: fully async, mid-batch (pipeline.py)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    """Multi-turn tool-integrated rollouts (config/tools.py); name none = single turn."""
 
 
 @dataclass(kw_only=True)
@@ -233,6 +236,9 @@ class AlgoConfig:
     """Entropy bonus in the loss; 0 = entropy is monitored only."""
     overlong_filtering: bool = False
     """Mask truncated responses (finish reason "length") out of the loss."""
+    void_turn_filter: bool = False
+    """SimpleTIR (rollout.tools): a sample whose last turn has neither a complete code block nor a readable
+    answer (a void turn) is masked out of the loss (rollout/void_turn_frac counts them)."""
     dynamic_sampling: bool = True
     """Drop uninformative groups (see filter_metric); generate more until the batch is full."""
     filter_metric: FilterMetric = "acc"
