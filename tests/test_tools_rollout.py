@@ -16,7 +16,7 @@ from megatron_dapo.rollout.base import GroupRequest, RolloutEngine, SamplingPara
 from megatron_dapo.rollout.tools import ToolEngine, with_tools
 from megatron_dapo.sandbox import SandboxUnavailable, ToolResult, check_sandbox
 from megatron_dapo.tiny.tokenizer import build_char_tokenizer
-from megatron_dapo.types import Group, Prompt, Sample
+from megatron_dapo.types import FinishReason, Group, Prompt, Sample
 
 TOK = build_char_tokenizer()
 EOS = TOK.eos_token_id
@@ -47,7 +47,8 @@ class ScriptedPolicy(RolloutEngine):
         turn = response.rsplit(CFG.output_close, 1)[-1] if k else response
         todo = ids(self.scripts[prompt][k][len(turn):]) + ([EOS] if k == len(self.scripts[prompt]) - 1 else [])
         stops = set(sampling.stop_token_ids) | {EOS}
-        out, finish = [], "length"
+        out: list[int] = []
+        finish: FinishReason = "length"
         for t in todo[:sampling.max_new_tokens]:
             out.append(t)
             if t in stops:
@@ -213,3 +214,15 @@ def test_tool_monitors():
     assert out == {"tool/calls_per_sample": 0.5, "tool/error_frac": 0.0, "tool/timeout_frac": 0.0,
                    "tool/seconds": 0.25, "rollout/turns_mean": 1.5, "rollout/void_turn_frac": 0.5,
                    "rollout/observation_token_frac": obs / (q.response_len + a.response_len)}
+
+
+def test_the_tool_base_is_taught_what_the_rollout_writes():
+    """The tool base's warm-start target is token for token the row a rollout makes of the same code."""
+    from megatron_dapo.data.datasets import load_prompts
+    from megatron_dapo.tiny.tool_base import TRAIN_SPEC, style_response
+
+    prompt = load_prompts(TRAIN_SPEC).prompts[0]
+    q = prompt.messages[-1]["content"]
+    code = f"{CFG.code_open}print({q.rstrip('=')})\n{CFG.code_close}"
+    [[s]] = tool_engine({q: [code, f"Answer: {prompt.ground_truth}"]}).generate([ids(q)], 1, SamplingParams())
+    assert s.response_ids == ids(style_response(prompt, "tool")) + [EOS]

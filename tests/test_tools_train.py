@@ -24,8 +24,8 @@ def test_two_steps_with_tool_calls(base_dir, tmp_path, python_env):
         check_sandbox(SandboxConfig())
     except SandboxUnavailable as e:
         pytest.skip(str(e))
-    run_train(train_cmd(base_dir, tmp_path, "tools", "train.steps=2", "checkpoint.save_every=0",
-                        "checkpoint.export_hf=false", "logging.samples_every=1", "eval.max_prompts=4", *TOOLS), python_env)
+    run_train(train_cmd(base_dir, tmp_path, "tools", "train.steps=2", "checkpoint.save_every=0", "eval.max_prompts=4",
+                        "checkpoint.export_hf=false", "logging.samples_every=1", *TOOLS), python_env)
     tb = read_scalars(tmp_path / "tb" / "tools")
     for tag in TOOL_TAGS:
         assert set(tb[tag]) == {1, 2} and all(math.isfinite(v) for v in tb[tag].values()), tag

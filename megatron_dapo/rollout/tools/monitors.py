@@ -22,7 +22,8 @@ def tool_scalars(samples: Sequence[Sample]) -> dict[str, float]:
     calls = max(len(statuses), 1)
     observed = sum(end - start for s in traced for start, end in s.tool.observations)
     return {"tool/calls_per_sample": len(statuses) / len(traced),
-            "tool/error_frac": statuses.count("error") / calls, "tool/timeout_frac": statuses.count("timeout") / calls,
+            "tool/error_frac": statuses.count("error") / calls,
+            "tool/timeout_frac": statuses.count("timeout") / calls,
             "tool/seconds": sum(seconds) / calls,
             "rollout/turns_mean": sum(s.tool.turns for s in traced) / len(traced),
             "rollout/void_turn_frac": sum(s.void_turn for s in traced) / len(traced),
