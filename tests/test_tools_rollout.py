@@ -18,6 +18,7 @@ from megatron_dapo.sandbox import SandboxUnavailable, ToolResult, check_sandbox
 from megatron_dapo.tiny.tokenizer import build_char_tokenizer
 from megatron_dapo.types import FinishReason, Group, Prompt, Sample
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models gain nothing from a second thread
 TOK = build_char_tokenizer()
 EOS = TOK.eos_token_id
 CFG = ToolsConfig(name="python", max_calls=2, max_output_tokens=8)
@@ -32,8 +33,8 @@ class ScriptedPolicy(RolloutEngine):
     rest of it, from what the current turn already holds), then EOS; it honours the stop tokens and the
     token limit as an engine does. Its logprob of the token at response position j is -(j + 1) / 100."""
 
-    def __init__(self, scripts: dict[str, list[str]]) -> None:
-        self.scripts, self.calls = scripts, 0
+    def __init__(self, scripts: dict[str, list[str]], cfg: ToolsConfig = CFG) -> None:
+        self.scripts, self.cfg, self.calls = scripts, cfg, 0
 
     def generate(self, prompt_token_ids, n, sampling):
         self.calls += 1
@@ -43,8 +44,8 @@ class ScriptedPolicy(RolloutEngine):
         text = TOK.decode(context)
         prompt = next(p for p in self.scripts if text.startswith(p))
         response = text[len(prompt):]
-        k = response.count(CFG.output_open)
-        turn = response.rsplit(CFG.output_close, 1)[-1] if k else response
+        k = response.count(self.cfg.output_open)
+        turn = response.rsplit(self.cfg.output_close, 1)[-1] if k else response
         todo = ids(self.scripts[prompt][k][len(turn):]) + ([EOS] if k == len(self.scripts[prompt]) - 1 else [])
         stops = set(sampling.stop_token_ids) | {EOS}
         out: list[int] = []
@@ -219,10 +220,19 @@ def test_tool_monitors():
 def test_the_tool_base_is_taught_what_the_rollout_writes():
     """The tool base's warm-start target is token for token the row a rollout makes of the same code."""
     from megatron_dapo.data.datasets import load_prompts
-    from megatron_dapo.tiny.tool_base import TRAIN_SPEC, style_response
+    from megatron_dapo.tiny.tool_base import FENCES, TRAIN_SPEC, style_response
 
     prompt = load_prompts(TRAIN_SPEC).prompts[0]
     q = prompt.messages[-1]["content"]
-    code = f"{CFG.code_open}print({q.rstrip('=')})\n{CFG.code_close}"
-    [[s]] = tool_engine({q: [code, f"Answer: {prompt.ground_truth}"]}).generate([ids(q)], 1, SamplingParams())
-    assert s.response_ids == ids(style_response(prompt, "tool")) + [EOS]
+    code = f"{FENCES.code_open}print({q.rstrip('=')},end='')\n{FENCES.code_close}"
+    scripts = {q: [code, f"Answer: {prompt.ground_truth}"]}
+    engine = ToolEngine(ScriptedPolicy(scripts, FENCES), FENCES, TOK, python_print, eos_ids=[EOS])
+    [[s]] = engine.generate([ids(q)], 1, SamplingParams())
+    assert s.response_ids == ids(style_response(prompt, "tool")) + [EOS] and s.tool.statuses == ["ok"]
+
+
+def python_print(code: str) -> Future:
+    """print(EXPR,end='') of the tool base's blocks, evaluated (stands for the sandbox)."""
+    fut: Future = Future()
+    fut.set_result(ToolResult("ok", str(eval(code.strip().removeprefix("print(").removesuffix(",end='')"))), "", 0.1))
+    return fut

@@ -11,9 +11,9 @@ import math
 import pytest
 
 from megatron_dapo.metrics import read_scalars
-from megatron_dapo.rollout.tools.monitors import TOOL_TAGS
+from megatron_dapo.rollout.tools import monitors
 from megatron_dapo.sandbox import SandboxConfig, SandboxUnavailable, check_sandbox
-from support import run_train, train_cmd
+from support import TOOL_TAGS, run_train, train_cmd
 
 TOOLS = ["rollout.streaming=false", "rollout.tools.name=python", "rollout.tools.code_open=Answer: ",
          "rollout.tools.code_close=2", "rollout.tools.max_output_tokens=4", "algo.void_turn_filter=true"]
@@ -27,6 +27,7 @@ def test_two_steps_with_tool_calls(base_dir, tmp_path, python_env):
     run_train(train_cmd(base_dir, tmp_path, "tools", "train.steps=2", "checkpoint.save_every=0", "eval.max_prompts=4",
                         "checkpoint.export_hf=false", "logging.samples_every=1", *TOOLS), python_env)
     tb = read_scalars(tmp_path / "tb" / "tools")
+    assert sorted(monitors.TOOL_TAGS) == sorted(TOOL_TAGS)
     for tag in TOOL_TAGS:
         assert set(tb[tag]) == {1, 2} and all(math.isfinite(v) for v in tb[tag].values()), tag
     assert sum(tb["tool/calls_per_sample"].values()) > 0 and min(tb["rollout/turns_mean"].values()) >= 1

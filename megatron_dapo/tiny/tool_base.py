@@ -4,11 +4,14 @@ A character-level Qwen2 like the tiny base, warm-started on 3-digit x 3-digit mu
 built-in arithmetic task with min_digits=max_digits=3, ops=*), a product too long for it to compute in its head,
 answered in one of two styles redrawn at every use:
 
-    tool     "```python\\nprint(482*937)\\n```" + the observation the rollout appends + "Answer: 451634"
+    tool     "```python\\nprint(482*937,end='')\\n```" + "```output:451634```" + "Answer: 451634"
     direct   "Answer: 451634"                   (what the model can only guess)
 
-The tool target holds the observation exactly as rollout/tools/ appends it (rollout.tools' default fences), so
-the policy learns to write a block, stop at its fence, and copy the result. RL can raise the tool-call rate:
+The tool target holds the observation exactly as rollout/tools/ appends it (with `FENCES`, which
+examples/configs/tiny_tool_cpu.yaml sets), so the policy learns to write a block, stop at its fence, and copy the
+result. The observation holds no space or newline: `AutoTokenizer` loads the tiny tokenizer as a Qwen2Tokenizer,
+which drops both when it encodes (sampled tokens are never encoded, so only observations meet it).
+RL can raise the tool-call rate:
 
     python -m megatron_dapo.tiny --recipe tool                   # checkpoints/tool_base
 """
@@ -36,8 +39,10 @@ VAL_SPEC = f"builtin:arithmetic?n=256&seed=12345&{TASK}"
 MAX_NEW_TOKENS = 72
 """= rollout.max_response_len of the tool config: a tool response is about 60 tokens."""
 STYLE_WEIGHTS: dict[str, float] = {"tool": 0.4, "direct": 0.6}
+FENCES = ToolsConfig(name="python", output_open="```output:", output_close="```")
+"""The tool base's rollout.tools fences (code_open / code_close are the defaults)."""
 SETTINGS = Settings(max_position_embeddings=96, max_steps=800, seconds=600.0)
-VERSION = 1
+VERSION = 2
 
 
 def style_response(prompt: Prompt, style: str) -> str:
@@ -47,9 +52,9 @@ def style_response(prompt: Prompt, style: str) -> str:
     if style == "direct":
         return answer
     if style == "tool":
-        fences = ToolsConfig()
-        return (f"{fences.code_open}print({question})\n{fences.code_close}{fences.output_open}{prompt.ground_truth}\n"
-                f"{fences.output_close}{answer}")
+        f = FENCES
+        return (f"{f.code_open}print({question},end='')\n{f.code_close}{f.output_open}{prompt.ground_truth}"
+                f"{f.output_close}{answer}")
     raise ValueError(f"unknown style {style!r}; expected one of {tuple(STYLE_WEIGHTS)}")
 
 
@@ -67,8 +72,9 @@ def draw_style(rng: random.Random) -> str:
 
 def tool_recipe() -> Recipe:
     return Recipe(name="tool base", version=VERSION, train_spec=TRAIN_SPEC, val_spec=VAL_SPEC, settings=SETTINGS,
-                  data={"style_weights": STYLE_WEIGHTS, "task": "tool"}, make_examples=make_examples,
-                  draw=draw_style, max_new_tokens=MAX_NEW_TOKENS, eval_samples=4)
+                  data={"style_weights": STYLE_WEIGHTS, "task": "tool",
+                        "fences": [FENCES.output_open, FENCES.output_close]},
+                  make_examples=make_examples, draw=draw_style, max_new_tokens=MAX_NEW_TOKENS, eval_samples=4)
 
 
 def ensure_tool_base(out: str | Path = DEFAULT_OUT, seconds: float | None = None, *, seed: int = 0) -> Path:
