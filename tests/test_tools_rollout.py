@@ -4,6 +4,8 @@ out (its logprobs at every sampled position equal a teacher-forced pass over the
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from concurrent.futures import Future
 
 import pytest
@@ -94,6 +96,7 @@ def test_two_turns_token_by_token():
     assert s.observation_mask() == [a <= j < b for j in range(len(expected))]
     assert s.rollout_logprobs == [0.0 if a <= j < b else -(j + 1) / 100 for j in range(len(expected))]
     assert s.tool.last_turn_code is False
+    assert Sample.from_dict(json.loads(json.dumps(dataclasses.asdict(s)))) == s  # as checkpoints keep samples
 
     # the trained row: prompt + every token; loss and statistics on the sampled tokens only
     s.pred = "42"
