@@ -191,6 +191,27 @@ def open_engine(cfg: Config, hf_dir: Path) -> Iterator[Any]:
         engine.shutdown()
 
 
+@contextlib.contextmanager
+def with_tool(cfg: Config, engine: Any, tokenizer: Any, eos: tuple[int, ...]) -> Iterator[Any]:
+    """`engine`, multi-turn with rollout.tools when a tool is configured (as the training rollouts)."""
+    if not cfg.rollout.tools.enabled:
+        yield engine
+        return
+    from megatron_dapo.rollout.tools import ToolLoadError, with_tools
+    from megatron_dapo.sandbox import SandboxUnavailable
+
+    try:
+        wrapped = with_tools(engine, cfg.rollout.tools, tokenizer, eos)
+    except (SandboxUnavailable, ToolLoadError) as e:
+        raise UserError(str(e)) from None
+    print(f"{PROG}: multi-turn with tool {cfg.rollout.tools.name}, at most {cfg.rollout.tools.max_calls} calls "
+          "a sample", file=sys.stderr)
+    try:
+        yield wrapped
+    finally:
+        wrapped.shutdown()
+
+
 def load_eval_prompts(cfg: Config) -> list[Any]:
     from megatron_dapo.data import PromptFormat, load_prompts
 
@@ -228,8 +249,9 @@ def run(cfg: Config, hf_dir: Path) -> Any:
           f"{cfg.rollout.max_response_len} tokens", file=sys.stderr)
     eos = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
     t0 = time.perf_counter()
-    with open_engine(cfg, hf_dir) as engine, tqdm(total=len(prompts), desc="evaluate", unit="prompt",
-                                                  file=sys.stderr, dynamic_ncols=True, mininterval=0) as bar:
+    with open_engine(cfg, hf_dir) as plain, with_tool(cfg, plain, tokenizer, eos) as engine, \
+            tqdm(total=len(prompts), desc="evaluate", unit="prompt", file=sys.stderr, dynamic_ncols=True,
+                 mininterval=0) as bar:
         groups = generate_and_score(engine, tokenizer, prompts, cfg.eval.n_samples,
                                     lambda i: sampling_params(cfg, eos, "eval", i), scorer, on_group=GroupProgress(bar))
     return EvalResult(groups, cfg.eval.n_samples, seconds=time.perf_counter() - t0)

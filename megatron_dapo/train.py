@@ -21,7 +21,7 @@ from megatron_dapo.actor.checkpoint import CheckpointError, latest_checkpoint, s
 from megatron_dapo.actor.checkpoint_files import verify
 from megatron_dapo.algo.advantages import group_advantages
 from megatron_dapo.algo.policy_losses import policy_loss_spec
-from megatron_dapo.algo.train_batch import build_train_batch, group_rewards, overlong_weights
+from megatron_dapo.algo.train_batch import build_train_batch, group_rewards, overlong_weights, void_turn_weights
 from megatron_dapo.cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError, print_error, quiet_third_party
 from megatron_dapo.config import Config, ConfigError, build_parser, load_config, to_yaml, validate
 from megatron_dapo.heartbeat import DriverHungError
@@ -186,10 +186,14 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
 
 def train_batch(run: RunState, groups: list[Group]) -> TrainBatch:
     """The kept groups as token rows: each sample's advantage within its group (divided by the group's std
-    unless the policy loss says not: Dr. GRPO), truncated samples out of the loss with overlong filtering."""
+    unless the policy loss says not: Dr. GRPO), truncated samples out of the loss with overlong filtering, void
+    turns' samples with the void-turn filter."""
     scale = policy_loss_spec(run.cfg.algo.policy_loss).scale_advantages_by_std
     advantages = group_advantages(group_rewards(groups), scale_by_std=scale)
     weights = overlong_weights(groups) if run.cfg.algo.overlong_filtering else None
+    if run.cfg.algo.void_turn_filter:
+        void = void_turn_weights(groups)
+        weights = [a * b for a, b in zip(weights or [1.0] * len(void), void)]
     return build_train_batch(groups, advantages, loss_weights=weights, pad_id=run.tokenizer.pad_token_id or 0)
 
 

@@ -30,6 +30,32 @@ class Prompt:
 
 
 @dataclass
+class ToolTrace:
+    """A multi-turn sample's conversation (rollout/tools/): where the tool's observations sit in its response
+    and how its calls went. Observation tokens are context, never trained (loss mask 0, no statistics)."""
+
+    observations: list[tuple[int, int]] = field(default_factory=list)
+    """(start, end) response-token spans of the observations, in order."""
+    statuses: list[str] = field(default_factory=list)
+    """Each call's sandbox status (ok | error | timeout | killed)."""
+    seconds: list[float] = field(default_factory=list)
+    """Each call's seconds in the sandbox."""
+    last_turn_code: bool = False
+    """The last turn holds a complete code block (one left unrun after max_calls): not a void turn."""
+
+    @property
+    def turns(self) -> int:
+        return len(self.observations) + 1
+
+    def observation_mask(self, response_len: int) -> list[bool]:
+        """True on every observation token of a response of this length."""
+        mask = [False] * response_len
+        for start, end in self.observations:
+            mask[start:end] = [True] * (end - start)
+        return mask
+
+
+@dataclass
 class Sample:
     """One generated response o_i to a prompt q."""
 
@@ -48,11 +74,26 @@ class Sample:
     """(first response token, policy version) spans: the weights after which update made which tokens
     (version s = after step s's update; set by the step's collector). A sample continued by a later step
     (partial rollout) has one span per step that extended it."""
+    tool: ToolTrace | None = None
+    """A multi-turn sample's turns (rollout.tools); None = a single-turn sample."""
 
     @classmethod
     def from_dict(cls, d: dict) -> Sample:
         """From `dataclasses.asdict` after a JSON round trip (spans back to tuples; none before they existed)."""
-        return cls(**{**d, "versions": [tuple(v) for v in d.get("versions", ())]})
+        tool = d.get("tool")
+        if tool is not None:
+            tool = ToolTrace(**{**tool, "observations": [tuple(o) for o in tool["observations"]]})
+        return cls(**{**d, "versions": [tuple(v) for v in d.get("versions", ())], "tool": tool})
+
+    @property
+    def void_turn(self) -> bool:
+        """SimpleTIR's void turn (multi-turn samples, after scoring): the last turn holds neither a complete code
+        block nor an answer the reward could read."""
+        return self.tool is not None and not self.tool.last_turn_code and self.pred is None
+
+    def observation_mask(self) -> list[bool]:
+        """True on the response tokens that are tool observations (none for a single-turn sample)."""
+        return [False] * self.response_len if self.tool is None else self.tool.observation_mask(self.response_len)
 
     @property
     def truncated(self) -> bool:

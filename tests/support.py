@@ -38,6 +38,9 @@ TAGS = [
     "perf/output_tokens", "rollout/engine_restarts", "rollout/resubmitted_groups",
 ]
 """Every monitor a CPU run writes."""
+TOOL_TAGS = ["tool/calls_per_sample", "tool/error_frac", "tool/timeout_frac", "tool/seconds", "rollout/turns_mean",
+             "rollout/void_turn_frac", "rollout/observation_token_frac"]
+"""The monitors a run with rollout.tools adds (none of them in a single-turn run)."""
 # The test base is trained for seconds and may answer nothing right on a busy machine: the paper's accuracy
 # filter would then keep no group (no update, no actor/* monitors); the score filter keeps length-shaped ones.
 SMALL = ["train.prompt_batch_size=8", "train.mini_batch_size=4", "algo.group_size=4", "eval.n_samples=2",

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import REPO, TAGS, kill_job_at, run_train, train_cmd
+from support import REPO, TAGS, TOOL_TAGS, kill_job_at, run_train, train_cmd
 
 from megatron_dapo.metrics import MetricsWriter, read_scalars, read_texts
 
@@ -21,6 +21,7 @@ def test_three_steps_write_every_monitor(base_dir, tmp_path, python_env):
     for tag in TAGS:
         assert tag in tb, f"missing tag {tag}"
         assert all(math.isfinite(v) for v in tb[tag].values()), tag
+    assert not set(TOOL_TAGS) & set(tb)  # single-turn: no tool monitors
     assert set(tb["actor/pg_loss"]) == {1, 2, 3}
     assert set(tb["val/acc_avg_at_k"]) == {0, 2, 3}  # before training, every 2 steps, at the end
     assert 0 <= tb["train/acc_mean"][1] <= 1 and tb["response_length/max"][1] <= 24

@@ -19,10 +19,18 @@ def overlong_weights(groups: list[Group]) -> list[float]:
     return overlong_filter_mask([s.truncated for g in groups for s in g.samples])
 
 
+def void_turn_weights(groups: list[Group]) -> list[float]:
+    """SimpleTIR's void-turn filter: 0.0 for a multi-turn sample whose last turn holds neither a complete code
+    block nor an answer the reward could read (pred None), 1.0 otherwise (single-turn samples included)."""
+    return [0.0 if s.void_turn else 1.0 for g in groups for s in g.samples]
+
+
 def build_train_batch(groups: list[Group], advantages: torch.Tensor, *, loss_weights: list[float] | None = None,
                       pad_id: int = 0) -> TrainBatch:
     """One row per sample, group by group. `advantages`: [num_groups, G] (or flat), one per sample; loss_mask
-    covers the response tokens, times the sample's `loss_weights` entry (overlong filtering; default 1)."""
+    covers the response tokens, times the sample's `loss_weights` entry (overlong filtering; default 1). A
+    multi-turn sample's tool observations are in the row but out of loss_mask and response_mask (no
+    statistics); their rollout logprobs are the engine's placeholders (0)."""
     if not groups:
         raise ValueError("build_train_batch needs at least one group")
     samples = [s for g in groups for s in g.samples]
@@ -42,6 +50,9 @@ def build_train_batch(groups: list[Group], advantages: torch.Tensor, *, loss_wei
         rollout_lp[i, p:p + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
         generated[i, p:p + r] = 1.0
         mask[i, p:p + r] = keep[i]
+        for start, end in () if s.tool is None else s.tool.observations:  # context, never trained
+            generated[i, p + start:p + end] = 0.0
+            mask[i, p + start:p + end] = 0.0
     prompt_index = torch.arange(len(groups)).repeat_interleave(torch.tensor([len(g.samples) for g in groups]))
     return TrainBatch(input_ids=ids, loss_mask=mask, advantages=advantages, lengths=lengths,
                       rollout_logprobs=rollout_lp, prompt_index=prompt_index, response_mask=generated)

@@ -10,6 +10,7 @@ from megatron_dapo.config.fields import (  # noqa: F401 - the tree's vocabulary,
     DEFAULT_BUCKET_MB, POLICY_LOSSES, PROMPT_TEMPLATES, REWARD_FUNCTION, REWARDS, ConfigError, FilterMetric, LossAggMode,
     OnExhausted, knob)
 from megatron_dapo.config.sglang import SGLangConfig
+from megatron_dapo.config.tools import ToolsConfig
 
 
 @dataclass(kw_only=True)
@@ -92,7 +93,6 @@ class ActorConfig:
     """Compute each group's prompt once (pi_old and the updates): its G responses packed behind one copy, each
     attending to the prompt and itself at its own positions; exact (actor/prefix.py). auto = on with the local
     layer spec; Transformer Engine ignores the block mask (off; true is an error). YAML: on/off = true/false."""
-
     routing_replay: Literal["none", "r2"] = "none"
     """MoE: r2 = the updates take the experts pi_old's pass routed each token to (actor/routing.py)."""
 
@@ -162,6 +162,7 @@ class RolloutConfig:
     async_mode: Literal["batch", "stream"] = "batch"
     """batch: new weights reach the engine between batches; stream: fully async, mid-batch (pipeline.py)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)  # multi-turn tool rollouts (config/tools.py)
 
 
 @dataclass(kw_only=True)
@@ -193,11 +194,10 @@ class AlgoConfig:
     group_size: int = knob(16, "[2, inf)", "group advantages need G >= 2")
     """G: responses sampled per prompt (paper: 16)."""
     policy_loss: str = "dapo"
-    """The loss (algo/policy_losses.py): dapo = eq. 10's token-level clip-higher loss; gspo = GSPO's
-    clipped sequence ratio (Zheng et al. 2025); cispo = MiniMax-M1's capped, detached IS weight x A x
-    log pi; dr_grpo = Dr. GRPO (Liu et al. 2025: advantages not divided by the group std, token sums /
-    (sequences x rollout.max_response_len)); or `module.path:function`, a function decorated with
-    register_policy_loss."""
+    """The loss (algo/policy_losses.py): dapo = eq. 10's token-level clip-higher loss; gspo = GSPO's clipped
+    sequence ratio (Zheng et al. 2025); cispo = MiniMax-M1's capped, detached IS weight x A x log pi; dr_grpo =
+    Dr. GRPO (Liu et al. 2025: advantages not divided by the group std, token sums / (sequences x
+    rollout.max_response_len)); or `module.path:function`, a function decorated with register_policy_loss."""
     eps_low: float | None = knob(None, "[0, 1)", "or null for the policy loss's default")
     """Lower clip range: ratio is clipped at 1 - eps_low for negative advantages. None = the loss's default:
     0.2 (dapo, the paper's; dr_grpo), 3e-4 (gspo); cispo has no lower bound and takes none."""
@@ -211,6 +211,8 @@ class AlgoConfig:
     """Entropy bonus in the loss; 0 = entropy is monitored only."""
     overlong_filtering: bool = False
     """Mask truncated responses (finish reason "length") out of the loss."""
+    void_turn_filter: bool = False
+    """SimpleTIR (rollout.tools): a sample whose last turn has no complete code block nor answer: no loss."""
     dynamic_sampling: bool = True
     """Drop uninformative groups (see filter_metric); generate more until the batch is full."""
     filter_metric: FilterMetric = "acc"
@@ -372,6 +374,4 @@ class Config:
     def rollout_correction(self) -> str:
         """algo.rollout_correction with auto resolved: token_tis for an off-policy pipeline, else none."""
         name = self.algo.rollout_correction
-        if name != "auto":
-            return name
-        return "token_tis" if self.rollout.async_steps > 0 else "none"
+        return name if name != "auto" else "token_tis" if self.rollout.async_steps > 0 else "none"

@@ -6,6 +6,7 @@ import os
 
 from megatron_dapo.config.model_checks import model_problems
 from megatron_dapo.config.ranges import range_problems
+from megatron_dapo.config.tools import tools_problems
 from megatron_dapo.config.schema import (
     POLICY_LOSSES,
     PROMPT_TEMPLATES,
@@ -39,6 +40,7 @@ def _problems(cfg: Config) -> list[str]:
         p.append(f"train.mini_batch_size={t.mini_batch_size} must divide "
                  f"train.prompt_batch_size={t.prompt_batch_size}")
     p += _correction_problems(a, cfg.rollout_correction()) + _policy_loss_problems(a) + _async_problems(cfg)
+    p += _tools_problems(cfg)
     if cfg.reward.soft_overlong_punishment and not 0 < cfg.reward.overlong_cache_len < r.max_response_len:
         p.append(f"reward.overlong_cache_len={cfg.reward.overlong_cache_len} must be in "
                  f"(0, rollout.max_response_len={r.max_response_len})")
@@ -61,6 +63,22 @@ def _problems(cfg: Config) -> list[str]:
     if cfg.reward.name not in REWARDS and not REWARD_FUNCTION.fullmatch(cfg.reward.name):
         p.append(f"reward.name={cfg.reward.name!r} must be one of {', '.join(REWARDS)} "
                  "or module.path:function")
+    return p
+
+
+def _tools_problems(cfg: Config) -> list[str]:
+    """rollout.tools, and the features a multi-turn sample cannot go through yet, refused by name."""
+    tools, r = cfg.rollout.tools, cfg.rollout
+    if not tools.enabled:
+        return ["algo.void_turn_filter needs rollout.tools (a single-turn sample has no turns)"] \
+            if cfg.algo.void_turn_filter else []
+    p = tools_problems(tools)
+    refused = [(r.engine == "sglang", "rollout.engine=sglang (use the embedded engine)"),
+               (r.streaming, "rollout.streaming=true (set rollout.streaming=false: synchronous rounds)"),
+               (r.partial_rollout, "rollout.partial_rollout"),
+               (r.async_steps > 0, f"rollout.async_steps={r.async_steps} (the off-policy pipelines)"),
+               (cfg.rollout_correction() != "none", f"algo.rollout_correction={cfg.rollout_correction()}")]
+    p += [f"rollout.tools.name={tools.name} does not support {what} yet" for bad, what in refused if bad]
     return p
 
 

@@ -32,6 +32,7 @@ from megatron_dapo.loop.state import RunState
 from megatron_dapo.loop.weight_probe import WeightProbe
 from megatron_dapo.metrics import Alarms, MetricsWriter
 from megatron_dapo.reward import RewardLoadError, Scorer
+from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.rollout.step.pipeline import RolloutPipeline
 from megatron_dapo.metrics.wandb_mirror import import_wandb
 
@@ -114,6 +115,8 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
     report.actor_bytes_at_engine_start = sum(actor.device_bytes().values())
     restarts = Restarts(cfg.rollout.sglang.max_restarts)
     engines = make_engine(cfg, actor, report, restarts)
+    if engines.engine is not None and cfg.rollout.tools.enabled:
+        engines.engine = _with_tools(engines.engine, cfg, tokenizer, report)
     old = resolve_old_logprob_source(cfg.algo, cfg.rollout, cfg.rollout_correction(),
                                      engine_on_actor_weights=engines.on_actor_weights, dtype=param_dtype(cfg.model),
                                      routing_replay=cfg.actor.routing_replay)
@@ -132,6 +135,23 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
         ckpt_root=folder, hf_dir=hf_dir, scorer=scorer, old_logprobs=old,
         servers=engines.servers,
         lock=lock, pipeline=_pipeline(cfg, engines.threads) if driver else None, restarts=restarts)
+
+
+def _with_tools(engine: RolloutEngine, cfg: Config, tokenizer: Any, report: StartupReport) -> RolloutEngine:
+    """The engine made multi-turn (rollout.tools); a sandbox that cannot start stops the run here, in one line."""
+    from megatron_dapo.rollout.tools import ToolLoadError, with_tools
+    from megatron_dapo.sandbox import SandboxUnavailable
+
+    tools = cfg.rollout.tools
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    try:
+        wrapped = with_tools(engine, tools, tokenizer, eos)
+    except (SandboxUnavailable, ToolLoadError) as e:
+        engine.shutdown()
+        raise SetupError(str(e)) from None
+    where = "this process" if tools.name != "python" else tools.sandbox_url or "the local bubblewrap sandbox"
+    report.engine += f"; multi-turn with tool {tools.name} ({where}, at most {tools.max_calls} calls a sample)"
+    return wrapped
 
 
 def _pipeline(cfg: Config, threads: int | None) -> RolloutPipeline | None:

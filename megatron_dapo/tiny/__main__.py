@@ -4,6 +4,7 @@
     python -m megatron_dapo.tiny --out /tmp/tb --steps 20 --force       # seconds; a useless model
     python -m megatron_dapo.tiny --recipe steps                          # the DAPO study's base
     python -m megatron_dapo.tiny --recipe moe                            # examples/configs/tiny_moe_cpu.yaml's
+    python -m megatron_dapo.tiny --recipe tool                           # examples/configs/tiny_tool_cpu.yaml's
 
 `tools/make_tiny_base.py` is the same command. Exit 2 when --out is taken or a limit is not positive.
 """
@@ -15,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from megatron_dapo.tiny import moe_base, steps_base
+from megatron_dapo.tiny import moe_base, steps_base, tool_base
 from megatron_dapo.tiny.base import (
     DEFAULT_OUT,
     OutputExistsError,
@@ -26,7 +27,7 @@ from megatron_dapo.tiny.base import (
 
 EXIT_REFUSED = 2
 RECIPES = {"tiny": (arithmetic_recipe, DEFAULT_OUT), "steps": (steps_base.steps_recipe, steps_base.DEFAULT_OUT),
-           "moe": (moe_base.moe_recipe, moe_base.DEFAULT_OUT)}
+           "moe": (moe_base.moe_recipe, moe_base.DEFAULT_OUT), "tool": (tool_base.tool_recipe, tool_base.DEFAULT_OUT)}
 """--recipe: (the recipe, its default folder)."""
 
 
@@ -38,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--recipe", choices=tuple(RECIPES), default="tiny",
                    help="tiny: the embedded default's base; steps: the DAPO study's (megatron_dapo.tiny.steps_base); "
-                        "moe: a Qwen3-MoE on the tiny task (megatron_dapo.tiny.moe_base)")
+                        "moe: a Qwen3-MoE on the tiny task (megatron_dapo.tiny.moe_base); tool: calls the Python tool on "
+                        "3-digit products some of the time (megatron_dapo.tiny.tool_base)")
     p.add_argument("--out", help="output folder (default " + ", ".join(f"{out} for {name}" for name, (_, out)
                                                                        in RECIPES.items()) + ")")
     p.add_argument("--seconds", type=float, help="wall-time limit of training (default: the recipe's)")

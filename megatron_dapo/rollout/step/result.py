@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats
 from megatron_dapo.rollout.step.carry import PartialCarry
+from megatron_dapo.rollout.tools.monitors import tool_scalars
 from megatron_dapo.types import Group
 
 
@@ -45,7 +46,7 @@ class StepRollout:
                 "perf/rollout_tokens_per_s": sum(lengths) / self.generate_seconds if self.generate_seconds > 0
                 else 0.0,
                 "reward/failures": float(self.reward_failures), "timing/reward_s": self.reward_seconds,
-                **self.cost()}
+                **tool_scalars(samples), **self.cost()}
 
     def cost(self) -> dict[str, float]:
         """rollout/{aborted_groups,wasted_tokens,generated_tokens}: rounds abort nothing and waste the
