@@ -7,7 +7,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
@@ -59,9 +59,9 @@ class RunState:
     last_saved: int | None = None
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     pipeline: RolloutPipeline | None = None
+    """rollout.async_steps > 0: the driver's producer of the next batch (rollout/step/pipeline.py)."""
     restarts: Restarts = field(default_factory=lambda: Restarts(0))
     """The run's budget of rollout-engine restarts and their counts (rollout/engine_restarts, resubmitted_groups)."""
-    """rollout.async_steps > 0: the driver's producer of the next batch (rollout/step/pipeline.py)."""
     has_val: bool = False
     """The driver loaded validation prompts; every rank knows it (validation moves the devices collectively)."""
 
@@ -115,12 +115,20 @@ class RunState:
 
     # --- checkpoints and the end ----------------------------------------------------------------------
 
+    def parts(self) -> dict[str, Stateful]:
+        """What a checkpoint holds of the run besides the actor, each part under its key (registered here once).
+        The pipeline comes first: its state_dict finishes the batches in production, which move the others."""
+        parts: dict[str, Stateful] = {}
+        if self.pipeline is not None:
+            parts["pending"] = _Pending(self)
+        if self.prompts is not None:
+            parts["data"] = self.prompts
+        parts |= {"alarms": self.alarms, "samples_generated": _Counter(self, "samples_generated"),
+                  "carry": self.carry, "restarts": self.restarts}
+        return parts
+
     def save(self, step: int) -> None:
-        # first: the batches still in production finish, and they move the prompts, the carry and the count
-        pending = self.pipeline.state_dict() if self.pipeline is not None else None
-        state = {"data": self.prompts.state_dict() if self.prompts else None, "alarms": self.alarms.state_dict(),
-                 "samples_generated": self.samples_generated, "config": to_dict(self.cfg),
-                 "carry": self.carry.state_dict(), "pending": pending}
+        state = {key: part.state_dict() for key, part in self.parts().items()} | {"config": to_dict(self.cfg)}
         self.phases.train()  # the actor's state on its device (it may sleep through the rollout)
         with helpers_shielded():  # megatron-core's writer processes (and, once, their Manager) start here
             save_checkpoint(self.actor, self.ckpt_root, step, trainer_state=state,
@@ -133,14 +141,14 @@ class RunState:
             return
         extra = load_checkpoint(self.actor, path, verify=False)  # claim() verified it
         trainer = extra.get("trainer", {})
-        if self.prompts is not None and trainer.get("data"):
-            self.prompts.load_state_dict(trainer["data"])
-        self.alarms.load_state_dict(trainer.get("alarms", {}))
-        self.samples_generated = int(trainer.get("samples_generated", 0))
-        self.carry = PartialCarry.from_state(trainer.get("carry", []) if self.cfg.rollout.partial_rollout else [])
-        if self.pipeline is not None:
-            self.pipeline.load_state_dict(trainer.get("pending"), version=int(extra["step"]))
+        if not self.cfg.rollout.partial_rollout:
+            trainer["carry"] = []  # groups a run with partial rollout left behind are dropped: they start afresh
         self.start_step = self.last_saved = int(extra["step"])
+        if self.pipeline is not None:
+            self.pipeline.load_state_dict(None, version=self.start_step)  # the engine holds this step's weights
+        for key, part in reversed(self.parts().items()):  # the pipeline last, as save wrote it first
+            if trainer.get(key) is not None:  # a part an older checkpoint lacks starts afresh
+                part.load_state_dict(trainer[key])
         self.writer.load_history(self.start_step)
         if self.is_driver:
             log.info("resumed from %s (step %d)", path, self.start_step)
@@ -185,3 +193,38 @@ def sample_records(groups: Sequence[Group], tokenizer: Any, limit: int, step: in
              "response": s.response_text, "ground_truth": g.prompt.ground_truth, "pred": s.pred,
              "reward": s.reward, "acc": bool(s.acc), "length": s.response_len, "finish_reason": s.finish_reason}
             for g, s in picked]
+
+
+class Stateful(Protocol):
+    """A part of the run a checkpoint holds (torchtitan's Stateful): plain JSON out, the same JSON back in."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+@dataclass
+class _Counter:
+    """A RunState int attribute as a part."""
+
+    run: RunState
+    name: str
+
+    def state_dict(self) -> int:
+        return int(getattr(self.run, self.name))
+
+    def load_state_dict(self, state: int) -> None:
+        setattr(self.run, self.name, int(state))
+
+
+@dataclass
+class _Pending:
+    """The pipeline's produced batches; they were generated by the weights of the checkpoint's step."""
+
+    run: RunState
+
+    def state_dict(self) -> dict | None:
+        return self.run.pipeline.state_dict()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.run.pipeline.load_state_dict(state, version=self.run.start_step)

@@ -46,6 +46,14 @@ class Restarts:
         with self._lock:
             self.resubmitted_groups += count
 
+    def state_dict(self) -> dict[str, int]:
+        """The run's counts: max_restarts is a budget for the whole run, resumes included."""
+        return {"engine_restarts": self.engine_restarts, "resubmitted_groups": self.resubmitted_groups}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.engine_restarts = int(state.get("engine_restarts", 0))
+        self.resubmitted_groups = int(state.get("resubmitted_groups", 0))
+
     def scalars(self) -> dict[str, float]:
         return {"rollout/engine_restarts": float(self.engine_restarts),
                 "rollout/resubmitted_groups": float(self.resubmitted_groups)}
