@@ -18,7 +18,13 @@ os.environ.pop("MEGATRON_DAPO_BASE_CACHE", None)
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests only run where CUDA exists; elsewhere they are reported as skipped, never silent."""
+    """`gpu` tests only run where CUDA exists; elsewhere they are reported as skipped, never silent. A test that
+    starts a real SGLang server (the sglang_python fixture) must be in the sglang tier (or gpu): else it would
+    build the server's venv inside the CPU tier."""
+    unmarked = [item.nodeid for item in items if "sglang_python" in getattr(item, "fixturenames", ())
+                and not any(m in item.keywords for m in ("sglang", "gpu"))]
+    if unmarked:
+        raise pytest.UsageError("real SGLang server without the sglang marker: " + ", ".join(unmarked))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (gpu tier)")
@@ -75,10 +81,14 @@ def tiny_hf(tmp_path_factory):
 @pytest.fixture(scope="session")
 def base_dir(tmp_path_factory) -> Path:
     """The tiny arithmetic base (8 s of pre-training), built once per test session and shared read-only
-    by every module that trains from it."""
+    by every module that trains from it. Under xdist one worker builds it (a file lock) while the others wait:
+    built by two at once, each would get half the cores for its 8 s and come out weaker."""
     from megatron_dapo.tiny import ensure_tiny_base
 
-    return ensure_tiny_base(tmp_path_factory.mktemp("base") / "tiny_base", seconds=8)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    return ensure_tiny_base(root / "shared_base" / "tiny_base", seconds=8)
 
 
 # SGLang fixtures (fake server executable, the real server's venv, tiny checkpoints) for every module.

@@ -326,6 +326,8 @@ def test_an_idle_server_takes_no_cpu(engine):
     assert share < 0.25, f"the idle server's processes took {share:.0%} of a core"
 
 
+@pytest.mark.sglang
+@SGLANG_TIMEOUT
 def test_sleep_wake_abort_health(engine, hf):
     assert engine.health()
     engine.sleep()

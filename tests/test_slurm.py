@@ -163,8 +163,13 @@ def test_tiny_runs_locally_by_default_and_passes_status():
 
 def test_slurm_launch_without_slurm_is_our_one_line(tmp_path):
     """No sbatch on PATH: our error first (no raw `sbatch: command not found`), nothing built or submitted."""
-    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "sbatch").exists())
-    r = bash("examples/run_dapo_tiny.sh", env=script_env(LAUNCH="slurm", PATH=path, LOG_DIR=str(tmp_path)))
+    shadow = tmp_path / "bin"  # the PATH's programs but sbatch (dropping its folder, /usr/bin, drops bash too)
+    shadow.mkdir()
+    for d in os.environ["PATH"].split(os.pathsep):  # the first folder of a name wins, as on the PATH
+        for exe in Path(d).glob("*") if Path(d).is_dir() else ():
+            if exe.name != "sbatch" and not (shadow / exe.name).exists():
+                (shadow / exe.name).symlink_to(exe)
+    r = bash("examples/run_dapo_tiny.sh", env=script_env(LAUNCH="slurm", PATH=str(shadow), LOG_DIR=str(tmp_path)))
     assert r.returncode == 2 and r.stderr.splitlines()[0].startswith("[launch] error: no sbatch"), r.stderr
     assert "LAUNCH=local" in r.stderr and "command not found" not in r.stderr
 
