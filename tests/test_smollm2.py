@@ -96,3 +96,30 @@ def test_real_smollm2_folder_matches_transformers_reading_the_gguf(tmp_path):
         ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                    dtype=torch.float32)(ids).logits
     assert torch.equal(ours, ref)
+
+
+@pytest.mark.slow
+def test_real_smollm2_recipe_updates_from_its_first_steps(tmp_path, python_env):
+    """examples/configs/smollm2_cpu.yaml on the real model: its groups are mixed, so both first steps update
+    the policy (no "no informative group" skip)."""
+    import subprocess
+    import sys
+
+    from megatron_dapo.metrics import read_scalars
+    from support import REPO
+
+    _gguf_or_skip()
+    model = smollm2.build_smollm2_folder(tmp_path / "smollm2")
+    configs = REPO / "examples/configs"
+    cmd = [sys.executable, "-m", "megatron_dapo.train", "--config", str(configs / "smollm2_cpu.yaml"),
+           f"model.hf_dir={model}", f"data.few_shot_path={configs / 'smollm2_arithmetic_shots.jsonl'}",
+           f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path / 'tb'}",
+           "logging.run_name=real", "train.steps=2", "eval.every_steps=0", "checkpoint.save_every=0",
+           "checkpoint.export_hf=false"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=python_env, timeout=1800)
+    assert r.returncode == 0, r.stderr[-6000:]
+    assert "no informative group" not in r.stderr, r.stderr[-3000:]
+    tb = read_scalars(tmp_path / "tb" / "real")
+    trained, grad_norm = tb["rollout/groups_trained"], tb.get("actor/grad_norm", {})
+    assert sorted(trained) == [1, 2] and min(trained.values()) >= 1, trained
+    assert sorted(grad_norm) == [1, 2] and min(grad_norm.values()) > 0, grad_norm
