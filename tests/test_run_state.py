@@ -3,6 +3,7 @@ older checkpoint lacks starts afresh; a carry is dropped without partial rollout
 
 import json
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -38,9 +39,10 @@ class Pipeline:
         self.pending, self.version = state, version
 
 
-def new_run(cfg: Config, **kw) -> run_state.RunState:
-    stub = SimpleNamespace(train=lambda: None, load_history=lambda step: None)
-    return run_state.RunState(cfg=cfg, actor=None, tokenizer=None, engine=None, phases=stub, prompts=Part(),
+def new_run(cfg: Config, **kw) -> Any:
+    """A RunState of stand-ins (Any: they are not the real parts' types)."""
+    stub: Any = SimpleNamespace(train=lambda: None, load_history=lambda step: None)
+    return run_state.RunState(cfg=cfg, actor=None, tokenizer=None, engine=None, phases=stub, prompts=Part(),  # type: ignore[arg-type]
                               val_prompts=[], writer=stub, alarms=Alarms(cfg.logging, 16), ckpt_root=None,
                               hf_dir="", scorer=None, old_logprobs=None, **kw)
 

@@ -76,14 +76,20 @@ def _gguf_or_skip() -> Path:
         pytest.skip(f"the real model cannot be built here: {e}")
 
 
+@pytest.fixture(scope="module")
+def real_model(tmp_path_factory) -> Path:
+    """The folder `python -m megatron_dapo.smollm2` writes (~1.5 min), built once for the module."""
+    _gguf_or_skip()
+    return smollm2.build_smollm2_folder(tmp_path_factory.mktemp("real") / "smollm2")
+
+
 @pytest.mark.slow
-def test_real_smollm2_folder_matches_transformers_reading_the_gguf(tmp_path):
+def test_real_smollm2_folder_matches_transformers_reading_the_gguf(real_model):
     """The written folder's logits equal those of transformers' own GGUF load (independent reference)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _gguf_or_skip()
-    out = smollm2.build_smollm2_folder(tmp_path / "smollm2")
+    gguf, out = _gguf_or_skip(), real_model
     config = (out / "config.json").read_text()
     assert '"tie_word_embeddings": true' in config and '"vocab_size": 49152' in config
     assert "quantization_config" not in config
@@ -99,7 +105,7 @@ def test_real_smollm2_folder_matches_transformers_reading_the_gguf(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_smollm2_recipe_updates_from_its_first_steps(tmp_path, python_env):
+def test_real_smollm2_recipe_updates_from_its_first_steps(real_model, tmp_path, python_env):
     """examples/configs/smollm2_cpu.yaml on the real model: its groups are mixed, so both first steps update
     the policy (no "no informative group" skip)."""
     import subprocess
@@ -108,8 +114,7 @@ def test_real_smollm2_recipe_updates_from_its_first_steps(tmp_path, python_env):
     from megatron_dapo.metrics import read_scalars
     from support import REPO
 
-    _gguf_or_skip()
-    model = smollm2.build_smollm2_folder(tmp_path / "smollm2")
+    model = real_model
     configs = REPO / "examples/configs"
     cmd = [sys.executable, "-m", "megatron_dapo.train", "--config", str(configs / "smollm2_cpu.yaml"),
            f"model.hf_dir={model}", f"data.few_shot_path={configs / 'smollm2_arithmetic_shots.jsonl'}",
