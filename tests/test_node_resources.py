@@ -54,7 +54,8 @@ def test_gloo_uses_the_interface_of_the_node_address_across_nodes(monkeypatch):
                                                         "ib0": [addr(socket.AF_INET, "10.1.2.3")]})
     monkeypatch.setattr(network, "node_address", lambda master, environ=None: "10.1.2.3")
     for k in [k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC_"))] + ["GLOO_SOCKET_IFNAME"]:
-        monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv(k, "")  # recorded, so the ib0 that initialize() sets is undone at teardown
+        monkeypatch.delenv(k)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("MASTER_ADDR", "10.1.2.1")

@@ -171,6 +171,7 @@ def test_a_checkpoint_records_the_prompts_after_the_batches_still_in_production(
     from types import SimpleNamespace
 
     from megatron_dapo.loop import state as state_mod
+    from megatron_dapo.rollout.restarts import Restarts
 
     prompts = SimpleNamespace(position=3)
     prompts.state_dict = lambda: {"position": prompts.position}
@@ -189,7 +190,8 @@ def test_a_checkpoint_records_the_prompts_after_the_batches_still_in_production(
     monkeypatch.setattr(state_mod, "save_checkpoint", lambda *a, trainer_state, **kw: saved.update(trainer_state))
     run: Any = SimpleNamespace(prompts=prompts, alarms=SimpleNamespace(state_dict=dict), samples_generated=0,
                           cfg=Config(), carry=PartialCarry(), pipeline=pipe, phases=SimpleNamespace(train=lambda: None),
-                          actor=None, ckpt_root=None, hf_dir=None)
+                          actor=None, ckpt_root=None, hf_dir=None, restarts=Restarts(0))
+    run.parts = lambda: state_mod.RunState.parts(run)
     threading.Timer(0.2, release.set).start()
     state_mod.RunState.save(run, 2)
     pipe.close()

@@ -30,8 +30,12 @@ def test_missing_package_says_what_to_pip_install(monkeypatch):
 @pytest.mark.parametrize("missing", ["gguf", "accelerate"])
 def test_missing_reader_says_what_to_pip_install(monkeypatch, tmp_path, missing, capsys):
     find_spec = _real_find_spec()
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == missing else find_spec(name, *a))
+    present = object()  # the other reader installed, whatever this machine has
+
+    def spec(name, *a):
+        return None if name == missing else present if name in ("gguf", "accelerate") else find_spec(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", spec)
     assert smollm2.main(["--out", str(tmp_path / "m")]) == smollm2.EXIT_REFUSED
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and f"pip install {missing}" in err and '".[real]"' in err

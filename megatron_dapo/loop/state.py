@@ -117,7 +117,8 @@ class RunState:
 
     def parts(self) -> dict[str, Stateful]:
         """What a checkpoint holds of the run besides the actor, each part under its key (registered here once).
-        The pipeline comes first: its state_dict finishes the batches in production, which move the others."""
+        The pipeline comes first: its state_dict finishes the batches in production, which move the others (and
+        replace run.carry), so save() asks it first and the others after."""
         parts: dict[str, Stateful] = {}
         if self.pipeline is not None:
             parts["pending"] = _Pending(self)
@@ -128,7 +129,12 @@ class RunState:
         return parts
 
     def save(self, step: int) -> None:
-        state = {key: part.state_dict() for key, part in self.parts().items()} | {"config": to_dict(self.cfg)}
+        state = {}
+        if self.pipeline is not None:  # first: finishing its batches moves the prompts and the count, replaces the carry
+            state["pending"] = self.pipeline.state_dict()
+        parts = self.parts()  # read after that
+        state |= {key: part.state_dict() for key, part in parts.items() if key not in state}
+        state["config"] = to_dict(self.cfg)
         self.phases.train()  # the actor's state on its device (it may sleep through the rollout)
         with helpers_shielded():  # megatron-core's writer processes (and, once, their Manager) start here
             save_checkpoint(self.actor, self.ckpt_root, step, trainer_state=state,
