@@ -1,0 +1,176 @@
+"""Training runs on real SGLang servers on CPU (`-m sglang`): two servers, an async trainer with a server of its own,
+torchrun with the distributed weight transport, three nodes each starting one, and a server killed mid-rollout that
+is restarted while the run goes on (issue 38). Split from test_rollout_sglang_servers.py so that the two long files
+run on two workers."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+from sglang_support import SGLANG_TIMEOUT, server_ports
+
+
+def _trainer_cmd(base, tmp_path, run: str, *overrides: str) -> list[str]:
+    """`python -m megatron_dapo.train` on the session's tiny base (`base`) with SGLang rollouts: test_train's
+    small two-step settings, then `overrides` (later ones win)."""
+    from support import train_cmd
+
+    return train_cmd(base, tmp_path, run, "rollout.engine=sglang", "train.steps=2", "checkpoint.save_every=0",
+                     "checkpoint.export_hf=false", *overrides)
+
+
+@pytest.mark.sglang
+@SGLANG_TIMEOUT
+def test_trainer_with_two_sglang_servers(sglang_python, base_dir, tmp_path, python_env):
+    """The DAPO loop end to end on real SGLang servers: colocated sleep/wake, weight sync to both servers
+    after every step, and the servers' logprobs equal the actor's on the tokens they sampled."""
+    import subprocess
+
+    from megatron_dapo.metrics import read_scalars
+
+    cmd = _trainer_cmd(base_dir, tmp_path, "sglang2", "rollout.sglang.num_servers=2",
+                       f"rollout.sglang.base_port={server_ports(2)}")
+    env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+    assert r.returncode == 0, r.stderr[-6000:]
+    tb = read_scalars(tmp_path / "tb" / "sglang2")
+    assert set(tb["train/reward_mean"]) == {1, 2} and set(tb["val/acc_avg_at_k"]) == {0, 2}
+    assert max(tb["rollout/train_rollout_logprob_absdiff"].values()) < 1e-4
+    assert min(tb["perf/weight_sync_bytes"].values()) > 0
+
+
+@pytest.mark.sglang
+@SGLANG_TIMEOUT
+def test_async_trainer_generates_the_next_batch_on_a_server_of_its_own(sglang_python, base_dir, tmp_path,
+                                                                       python_env):
+    """rollout.async_steps=1 on a real SGLang server (not colocated): the producer thread drives the server
+    over HTTP while the actor trains, batches 2 and 3 are one version old, the weights reach the server at
+    each boundary (the probe checks them) and the correction sees the gap."""
+    import subprocess
+
+    from megatron_dapo.metrics import read_scalars
+
+    cmd = _trainer_cmd(base_dir, tmp_path, "async", f"rollout.sglang.base_port={server_ports()}",
+                       "rollout.colocate=false",
+                       "rollout.async_steps=1", "train.steps=3", "eval.every_steps=0")
+    env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+    assert r.returncode == 0, r.stderr[-6000:]
+    tb = read_scalars(tmp_path / "tb" / "async")
+    assert tb["rollout/staleness_mean"] == {1: 0.0, 2: 1.0, 3: 1.0}
+    assert set(tb["rollout_corr/weight_mean"]) == {1, 2, 3} and set(tb["timing/overlap_s"]) == {1, 2, 3}
+    assert max(tb["rollout/weight_sync_probe_absdiff"].values()) < 0.01
+
+
+@pytest.mark.sglang
+@SGLANG_TIMEOUT
+def test_torchrun_trainer_with_the_distributed_weight_transport(sglang_python, base_dir, tmp_path, python_env):
+    """Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True, RANK / MASTER_PORT of the trainer set) the server
+    starts in a clean environment and answers /health, and the weight group serves its own store: both
+    steps sync over the broadcast group (servers on their own devices), and step 2's rollout logprobs equal
+    the actor's."""
+    import subprocess
+    import sys
+
+    from megatron_dapo.metrics import read_scalars
+    from megatron_dapo.parallel import free_port as free_master_port
+
+    cmd = _trainer_cmd(base_dir, tmp_path, "torchrun", f"rollout.sglang.base_port={server_ports()}",
+                       "rollout.sglang.weight_sync=distributed", "rollout.colocate=false",
+                       "eval.every_steps=0")
+    assert cmd[1:3] == ["-m", "megatron_dapo.train"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+           str(free_master_port()), "-m", "megatron_dapo.train", *cmd[3:]]
+    env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+    assert r.returncode == 0, r.stderr[-6000:]
+    tb = read_scalars(tmp_path / "tb" / "torchrun")
+    assert set(tb["perf/weight_sync_bytes"]) == {1, 2} and min(tb["perf/weight_sync_bytes"].values()) > 0
+    assert tb["rollout/train_rollout_logprob_absdiff"][2] < 1e-4
+
+
+@pytest.mark.sglang
+@SGLANG_TIMEOUT
+def test_three_nodes_each_start_a_server_and_rank0_drives_all(sglang_python, base_dir, tmp_path, python_env):
+    """Three trainer ranks posing as three nodes (GROUP_RANK 0, 1, 2): each node's leader starts its own
+    server and updates it from its own copy of the weights (node-local, tensor transport); rank 0 drives all
+    three for generation, nodes 1 and 2 attached. After each step's sync every server's logprobs equal the
+    actor's (the prompts are split across all three); no weight byte crossed a node, and rank 0 sent one
+    model (to its own server), not one per node."""
+    import subprocess
+
+    from megatron_dapo.metrics import read_scalars
+    from megatron_dapo.parallel import free_port as free_master_port
+
+    cmd = _trainer_cmd(base_dir, tmp_path, "nodes3", f"rollout.sglang.base_port={server_ports(3)}",
+                       "parallel.backend=gloo",
+                       "train.prompt_batch_size=6", "train.mini_batch_size=3", "eval.every_steps=0")
+    master = str(free_master_port())
+    procs = []
+    for rank in range(3):
+        env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python, "RANK": str(rank), "WORLD_SIZE": "3",
+               "LOCAL_RANK": "0", "GROUP_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master,
+               "DAPO_NODE_ADDR": "127.0.0.1"}
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=1200)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n=====\n".join(o[-5000:] for o in outs)
+    line = next(x for x in outs[0].splitlines() if "SGLang servers:" in x)
+    assert line.count("(attached)") == 2 and "from the node's own ranks (tensor)" in line, line
+    tb = read_scalars(tmp_path / "tb" / "nodes3")
+    assert set(tb["train/reward_mean"]) == {1, 2}
+    assert max(tb["rollout/train_rollout_logprob_absdiff"].values()) < 1e-4
+    model = tb["perf/weight_sync_bytes"]
+    assert set(tb["perf/weight_sync_bytes_cross_node"].values()) == {0.0}
+    assert all(0 < tb["perf/weight_sync_bytes_sent_rank0"][s] <= model[s] for s in model)
+
+
+@pytest.mark.sglang
+@SGLANG_TIMEOUT
+def test_a_server_killed_mid_rollout_is_restarted_and_the_run_trains_full_batches(sglang_python, base_dir,
+                                                                                 tmp_path, python_env):
+    """SIGKILL one of two real servers while it generates (step 1 or 2): its groups are generated by the other,
+    it starts again on its port, takes the weights at the step's sync (the probe scores both servers), and both
+    steps train a full batch (8 groups)."""
+    import subprocess
+
+    import psutil
+
+    from megatron_dapo.metrics import read_scalars
+
+    port = server_ports(2)
+    cmd = _trainer_cmd(base_dir, tmp_path, "restart", "rollout.sglang.num_servers=2", f"rollout.sglang.base_port={port}",
+                       "eval.every_steps=0")
+    env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python, "TMPDIR": str(tmp_path)}
+    log = tmp_path / "megatron-dapo-sglang" / f"sglang-127.0.0.1-{port + 1}.log"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline, killed = time.monotonic() + 600, None
+        while killed is None and proc.poll() is None and time.monotonic() < deadline:
+            # a batch of several sequences: step 1's groups (start-up's warm-up and health checks send one each)
+            if log.is_file() and re.search(r"Prefill batch, #new-seq: [2-9]", log.read_text(errors="replace")):
+                listeners = [c.pid for c in psutil.net_connections("tcp")
+                             if c.laddr and c.laddr.port == port + 1 and c.status == psutil.CONN_LISTEN]
+                killed = listeners[0]
+                os.kill(killed, signal.SIGKILL)
+            time.sleep(0.02)
+        assert killed is not None, "the second server never generated"
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-6000:]
+    assert "exited with code -9; restarting it (restart 1 of at most 3 this run)" in err
+    tb = read_scalars(tmp_path / "tb" / "restart")
+    assert tb["rollout/engine_restarts"][2] == 1 and tb["rollout/resubmitted_groups"][2] >= 1  # run totals
+    assert tb["rollout/groups_trained"] == {1: 8.0, 2: 8.0}
+    assert max(tb["rollout/weight_sync_probe_absdiff"].values()) < 0.01
