@@ -1,4 +1,4 @@
-"""RunState's parts (issue 39 item 5): registered once, saved pipeline first, loaded back in reverse; a part an
+"""RunState's parts (issue 39 item 5): registered once, the pipeline saved first and loaded last; a part an
 older checkpoint lacks starts afresh; a carry is dropped without partial rollout."""
 
 import json
