@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from sglang_support import process_gone
+from sglang_support import process_gone, server_ports
 
 from megatron_dapo.rollout.base import AbortReport, GroupRequest, GroupResult, RolloutEngine, RolloutStream, SamplingParams
 from megatron_dapo.rollout.engine_group import EngineGroup
@@ -197,6 +197,31 @@ def test_a_hung_server_is_noticed_by_its_health_check_and_restarted(fake_python)
         assert server.stale_weights  # the checkpoint's weights until the next update
     finally:
         server.shutdown()
+
+
+def test_a_killed_server_is_reported_by_its_exit_code_though_its_workers_died_first(tiny_hf):
+    """SIGKILL on a server's main process kills its workers with the thread that started them, while the main
+    process is still tearing down (poll() says nothing yet): the reason is its exit code, not a dead worker."""
+    from megatron_dapo.config import SGLangConfig
+    from megatron_dapo.rollout.sglang.engine import SGLangEngine
+
+    class Dying:  # a main process reaped a moment after its workers died
+        pid, returncode, waits = 4242, None, []
+
+        def poll(self):
+            return self.returncode
+
+        def wait(self, timeout=None):
+            self.waits.append(timeout)
+            self.returncode = -9
+            return -9
+
+    server = SGLangEngine(tiny_hf("qwen2"), SGLangConfig(), attach=True, wait=False, port=server_ports())
+    server._proc, server._children = Dying(), [(2 ** 22 + 7, 0.0)]  # no such worker
+    assert server.dead_reason() == "exited with code -9" and server._proc.waits == [5.0]
+    server._proc.wait = lambda timeout=None: None  # a main process that outlives its dead worker
+    server._proc.returncode = None
+    assert server.dead_reason() == f"worker process {2 ** 22 + 7} died"
 
 
 def test_a_run_that_lost_an_engine_exits_1_with_one_line(monkeypatch, capsys):

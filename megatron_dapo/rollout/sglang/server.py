@@ -45,6 +45,7 @@ from megatron_dapo.rollout.sglang.process import (
 )
 
 _LOG_TAIL_LINES = 30
+_REAP_WAIT_S = 5.0
 
 
 class SGLangServerError(RuntimeError):
@@ -209,16 +210,22 @@ class SGLangServer:
             return None if self.attached else "was never started"
         if self._proc.poll() is not None:
             return f"exited with code {self._proc.returncode}"
-        for pid, started in self._children:
-            if not same_process(pid, started):
-                return f"worker process {pid} died"
-        return None
+        dead = next((pid for pid, started in self._children if not same_process(pid, started)), None)
+        if dead is None:
+            return None
+        # A killed server's workers die with the thread that started them, while its main process may still be
+        # tearing down (and poll() says nothing while another thread waits on it): report its exit if it comes.
+        with suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=_REAP_WAIT_S)
+        if self._proc.returncode is not None:
+            return f"exited with code {self._proc.returncode}"
+        return f"worker process {dead} died"
 
     def _dead_reason_settled(self, connection_failed: bool = False) -> str | None:
         """As dead_reason, but give a dying main process a moment so its exit code is what we report
         (a killed server closes its sockets a moment before it can be reaped)."""
         reason = self.dead_reason()
-        if (connection_failed or (reason or "").startswith("worker")) and self._proc is not None:
+        if connection_failed and reason is None and self._proc is not None:
             with suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=1.0)
             reason = self.dead_reason()
