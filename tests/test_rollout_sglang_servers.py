@@ -71,14 +71,23 @@ PROMPTS = [[5, 6, 7], [9, 9], [17, 33, 65, 129, 200], [40, 41], [3]]
 
 @pytest.mark.sglang
 @SGLANG_TIMEOUT
-def test_two_real_servers_split_prompts_and_both_take_weight_updates(sglang_python, models, hf, tmp_path):
+def test_two_real_servers_split_prompts_and_take_weight_updates_both_ways(sglang_python, models, hf, tmp_path):
+    """Two servers of one group split the prompts; the weights reach both, streamed over HTTP (the tensor
+    transport) and then with the distributed transport: both servers join ONE group (world 1 + 1 + 1) and
+    every bucket is broadcast once."""
+    import torch
+
+    from megatron_dapo.rollout.sglang.updates import NodeWeightSync
+
     t0 = time.monotonic()
     group = launch_servers(models["a"], SGLangConfig(base_port=server_ports(2), num_servers=2,
                                                      startup_timeout_s=600, request_timeout_s=300),
                            python=sglang_python, dtype="float32", max_total_tokens=8192,
                            log_dir=tmp_path / "logs", bucket_mb=1)
     print(f"\ntwo SGLang servers up in {time.monotonic() - t0:.1f} s: {group.names}")  # type: ignore[attr-defined]  # an EngineGroup
-    pids = [e.pid for e in group.engines]  # type: ignore[attr-defined]  # SGLang engines
+    servers = group.engines  # type: ignore[attr-defined]  # SGLang engines
+    pids = [e.pid for e in servers]
+    sync = None
     try:
         greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
         groups = group.generate(PROMPTS, 2, greedy)
@@ -88,40 +97,21 @@ def test_two_real_servers_split_prompts_and_both_take_weight_updates(sglang_pyth
         sampled = group.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=6))
         per_server = [sampled[:3], sampled[3:]]  # prompts 0-2 went to server 0, 3-4 to server 1
         assert all(max_logprob_diff(hf["b"], part) < 1e-4 for part in per_server)
-    finally:
-        group.shutdown()
-    assert all(process_gone(pid) for pid in pids)
 
-
-@pytest.mark.sglang
-@SGLANG_TIMEOUT
-def test_one_broadcast_updates_several_servers(sglang_python, models, hf, tmp_path):
-    """A node's servers with the distributed transport: both join ONE group (world 1 + 1 + 1) and every
-    bucket is broadcast once."""
-    import torch
-
-    from megatron_dapo.rollout.sglang.updates import NodeWeightSync
-
-    port = server_ports(2)
-    servers = [SGLangEngine(models["a"], SGLangConfig(base_port=port, startup_timeout_s=600, request_timeout_s=300),
-                            python=sglang_python, server_index=k, dtype="float32", max_total_tokens=8192,
-                            log_dir=tmp_path / "logs", bucket_mb=1, wait=False) for k in range(2)]
-    sync = NodeWeightSync.local(servers, transport="distributed", bucket_bytes=64 * 1024)  # several buckets
-    group = EngineGroup(servers)
-    try:
-        for s in servers:
-            s.wait_ready()
-        counts = sync.update(hf["b"].state_dict().items())
+        sync = NodeWeightSync.local(servers, transport="distributed", bucket_bytes=64 * 1024)  # several buckets
+        counts = sync.update(hf["a"].state_dict().items())
         assert counts.error is None and counts.buckets >= 2
         assert torch.distributed.get_world_size(sync._broadcast.pg) == 3
         assert counts.sent == counts.bytes  # each bucket sent once for both servers
         sampled = group.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=6))
-        assert max_logprob_diff(hf["b"], sampled[:3]) < 1e-4 and max_logprob_diff(hf["b"], sampled[3:]) < 1e-4
-        assert sync.update(hf["a"].state_dict().items()).error is None  # the group is reused
-        assert max_logprob_diff(hf["a"], group.generate(PROMPTS, 1, SamplingParams(max_new_tokens=4))) < 1e-4
+        assert max_logprob_diff(hf["a"], sampled[:3]) < 1e-4 and max_logprob_diff(hf["a"], sampled[3:]) < 1e-4
+        assert sync.update(hf["b"].state_dict().items()).error is None  # the group is reused
+        assert max_logprob_diff(hf["b"], group.generate(PROMPTS, 1, SamplingParams(max_new_tokens=4))) < 1e-4
     finally:
-        sync.shutdown()
+        if sync is not None:
+            sync.shutdown()
         group.shutdown()
+    assert all(process_gone(pid) for pid in pids)
 
 
 def _job_worker(rank, world, master_port, exe, root, base_port, block_node1):
