@@ -216,3 +216,21 @@ def test_validation():
         DynamicSampler(target_groups=1, max_rounds=0)
     with pytest.raises(ValueError):
         DynamicSampler(target_groups=1, max_rounds=1, on_exhausted="skip")  # type: ignore[arg-type]
+
+
+def test_a_stream_offering_groups_one_by_one_keeps_what_rounds_keep(caplog):
+    """offer() is add_round()'s per-group decision: the same groups kept, the same stats and verdict; a stream
+    names its own budget in the exhaustion line."""
+    groups = [good("a"), bad("b"), good("c"), bad("d"), bad("e")]
+    by_round = DynamicSampler(target_groups=3, max_rounds=1)
+    by_round.add_round(groups)
+    streamed = DynamicSampler(target_groups=3, max_rounds=1)
+    assert [streamed.offer(g) for g in groups] == [True, False, True, False, False]
+    assert streamed.kept == by_round.kept and streamed.seen == 5
+    with caplog.at_level(logging.WARNING):
+        kept, stats = streamed.finish(budget="5/5 streamed groups", seen_as="finished", rounds=1)
+    assert kept == by_round.finish()[0] and stats == by_round.finish()[1] and stats.exhausted
+    assert "kept 2/3 informative groups after 5/5 streamed groups (5 finished, kept fraction 0.400)" in caplog.text
+    caplog.clear()
+    DynamicSampler(target_groups=3, max_rounds=1, on_exhausted="error").finish(verdict=False)  # a failed step
+    assert not caplog.text

@@ -10,6 +10,7 @@ import re
 import signal
 import threading
 import time
+from typing import Any
 
 import pytest
 from sglang_support import process_gone, server_ports
@@ -217,10 +218,11 @@ def test_a_killed_server_is_reported_by_its_exit_code_though_its_workers_died_fi
             return -9
 
     server = SGLangEngine(tiny_hf("qwen2"), SGLangConfig(), attach=True, wait=False, port=server_ports())
-    server._proc, server._children = Dying(), [(2 ** 22 + 7, 0.0)]  # no such worker
-    assert server.dead_reason() == "exited with code -9" and server._proc.waits == [5.0]
-    server._proc.wait = lambda timeout=None: None  # a main process that outlives its dead worker
-    server._proc.returncode = None
+    proc: Any = Dying()
+    server._proc, server._children = proc, [(2 ** 22 + 7, 0.0)]  # no such worker
+    assert server.dead_reason() == "exited with code -9" and proc.waits == [5.0]
+    proc.wait = lambda timeout=None: None  # a main process that outlives its dead worker
+    proc.returncode = None
     assert server.dead_reason() == f"worker process {2 ** 22 + 7} died"
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_dapo.config import SGLangConfig
-from megatron_dapo.rollout.base import EngineStateError, SamplingParams
+from megatron_dapo.rollout.base import EngineStateError, GenerationAborted, SamplingParams
 from megatron_dapo.rollout.sglang.engine import SGLangEngine
 from megatron_dapo.rollout.sglang.server import SGLangServerError
 from sglang_support import SGLANG_TIMEOUT, server_ports
@@ -131,40 +131,11 @@ def test_a_server_without_a_load_report_is_not_waited_for(scripted, monkeypatch)
 
 @pytest.mark.sglang
 @SGLANG_TIMEOUT
-def test_real_server_sleeps_while_it_still_serves(sglang_python, models, hf, tmp_path):
-    """A release sent while a request runs killed SGLang's scheduler; sleep() now waits for it (or aborts it)."""
+def test_real_server_weights_then_kv_and_a_sleep_while_it_still_serves(sglang_python, models, hf, tmp_path):
+    """One real server: a whole release, the weights woken alone take a sync, then the KV cache; and a release sent
+    while a request runs (it killed SGLang's scheduler; sleep() now waits for it, or aborts it)."""
     import threading
 
-    engine = SGLangEngine(models["a"], SGLangConfig(startup_timeout_s=600, request_timeout_s=300),
-                          python=sglang_python, port=server_ports(), dtype="float32", max_total_tokens=8192,
-                          log_dir=tmp_path)
-    try:
-        done = threading.Event()
-
-        def generate() -> None:
-            try:
-                engine.generate([[5, 6, 7]] * 8, 1, SamplingParams(max_new_tokens=1000, ignore_eos=True))
-            finally:
-                done.set()
-
-        threading.Thread(target=generate, daemon=True).start()
-        deadline = time.monotonic() + 60
-        while not engine._busy_requests() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert engine._busy_requests(), "the generation never showed in the load report"
-        engine.sleep()  # before: AssertionError in the scheduler, which died
-        assert done.wait(60) and engine.dead_reason() is None
-        engine.wake(["weights"])  # released weights are lost (the CPU shim): the scheduler takes a sync, then serves
-        engine.update_weights([(n, p.detach().clone()) for n, p in hf["a"].named_parameters()], transport="tensor")
-        engine.wake()
-        assert engine.generate([[5, 6, 7]], 1, SamplingParams(max_new_tokens=4))[0][0].response_ids
-    finally:
-        engine.shutdown()
-
-
-@pytest.mark.sglang
-@SGLANG_TIMEOUT
-def test_real_server_weights_then_kv(sglang_python, models, hf, tmp_path):
     engine = SGLangEngine(models["a"], SGLangConfig(startup_timeout_s=600, request_timeout_s=300),
                           python=sglang_python, port=server_ports(), dtype="float32", max_total_tokens=8192,
                           log_dir=tmp_path, bucket_mb=1)
@@ -185,5 +156,27 @@ def test_real_server_weights_then_kv(sglang_python, models, hf, tmp_path):
             logp = torch.log_softmax(hf["b"](ids).logits[0, 2:-1].float(), -1)
         want = logp.gather(-1, torch.tensor(sample.response_ids)[:, None]).squeeze(-1)
         assert torch.allclose(torch.tensor(sample.rollout_logprobs), want, atol=1e-3), time.monotonic() - t0
+
+        done = threading.Event()
+
+        def generate() -> None:
+            try:
+                engine.generate([[5, 6, 7]] * 8, 1, SamplingParams(max_new_tokens=1000, ignore_eos=True))
+            except GenerationAborted:
+                pass  # sleep() aborted it: what it may do with a request still running
+            finally:
+                done.set()
+
+        threading.Thread(target=generate, daemon=True).start()
+        deadline = time.monotonic() + 60
+        while not engine._busy_requests() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine._busy_requests(), "the generation never showed in the load report"
+        engine.sleep()  # before: AssertionError in the scheduler, which died
+        assert done.wait(60) and engine.dead_reason() is None
+        engine.wake(["weights"])  # released weights are lost (the CPU shim): the scheduler takes a sync, then serves
+        engine.update_weights([(n, p.detach().clone()) for n, p in hf["a"].named_parameters()], transport="tensor")
+        engine.wake()
+        assert engine.generate([[5, 6, 7]], 1, SamplingParams(max_new_tokens=4))[0][0].response_ids
     finally:
         engine.shutdown()

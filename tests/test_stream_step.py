@@ -56,12 +56,23 @@ def plan(**kw) -> StreamPlan:
     return StreamPlan(**{**dict(target_groups=4, first=4, max_inflight=8, max_groups=40), **kw})
 
 
+def _offered(p: StreamPlan, informative: int, dull: int):
+    """p's sampler after `informative` groups it keeps and `dull` ones it drops."""
+    sampler = p.sampler()
+    for k in range(informative + dull):
+        group = Group(prompt=Prompt(uid=str(k), messages=(), ground_truth="1"),
+                      samples=[Sample(prompt_ids=[1], response_ids=[2], rollout_logprobs=[-0.1], finish_reason="stop",
+                                      acc=k < informative and j == 0) for j in range(2)])
+        sampler.offer(group)
+    return sampler
+
+
 def test_inflight_follows_the_kept_fraction():
     p = plan(oversample=1.5, max_inflight=100)
-    assert p.inflight(kept=0, seen=0, informative=0) == 4  # first
-    assert p.inflight(kept=1, seen=2, informative=1) == math.ceil(1.5 * 3 / (2 / 4))  # Laplace (1+1)/(2+2)
-    assert p.inflight(kept=0, seen=50, informative=0) == math.ceil(1.5 * 4 / 0.1)  # floor 0.1
-    assert plan().inflight(kept=0, seen=50, informative=0) == 8  # max_inflight
+    assert p.inflight(_offered(p, 0, 0)) == 4  # first
+    assert p.inflight(_offered(p, 1, 1)) == math.ceil(1.5 * 3 / (2 / 4))  # Laplace (1+1)/(2+2)
+    assert p.inflight(_offered(p, 0, 50)) == math.ceil(1.5 * 4 / 0.1)  # floor 0.1
+    assert plan().inflight(_offered(plan(), 0, 50)) == 8  # max_inflight
     algo = AlgoConfig(gen_batch_multiplier=1.5, max_gen_rounds=3)
     auto = StreamPlan.from_config(algo, target_groups=4)
     assert (auto.first, auto.max_inflight, auto.max_groups, auto.oversample) == (6, 12, 18, 1.5)

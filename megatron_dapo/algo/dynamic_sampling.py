@@ -17,6 +17,10 @@ Typical use, one sampler per training step::
     groups, stats = sampler.finish()
     if not groups:
         ...  # skip the step (train_partial with no informative group at all)
+
+Both collectors use it (rollout/step/rounds.py by rounds; rollout/step/streaming.py group by group with
+`offer` and `inflight`): what is kept, how much more to generate, and the verdict when the budget runs out
+are decided here only.
 """
 
 from __future__ import annotations
@@ -145,12 +149,38 @@ class DynamicSampler:
         if self.done:
             raise RuntimeError("add_round() called on a DynamicSampler that is already done")
         self._rounds += 1
-        self._seen += len(groups)
         for group in groups:
-            informative = is_informative(group, self.metric)
-            self._informative += informative
-            if informative or not self.enabled:
-                self._kept.append(group)
+            self.offer(group)
+
+    def offer(self, group: Group) -> bool:
+        """Take one finished group (a stream's, as it arrives); whether it was kept (informative, or any
+        group when disabled)."""
+        informative = is_informative(group, self.metric)
+        self._seen += 1
+        self._informative += informative
+        if informative or not self.enabled:
+            self._kept.append(group)
+        return informative or not self.enabled
+
+    @property
+    def kept(self) -> list[Group]:
+        """The groups kept so far, in arrival order (the live list)."""
+        return self._kept
+
+    @property
+    def seen(self) -> int:
+        return self._seen
+
+    def inflight(self, first: int, oversample: float, max_inflight: int) -> int:
+        """A stream's sizing: the groups that should be in flight now. `first` before any group finished,
+        then `oversample` x the missing groups / the kept fraction (Laplace-smoothed, at least the floor), at
+        most `max_inflight`."""
+        if self._seen == 0:
+            want = first
+        else:
+            frac = max((self._informative + 1) / (self._seen + 2), self.kept_frac_floor)
+            want = math.ceil(oversample * (self.target_groups - len(self._kept)) / frac)
+        return min(want, max_inflight)
 
     def next_round_size(self, default: int) -> int:
         """Number of groups to generate next: `default` first, then the expected count to fill the gap.
@@ -167,25 +197,28 @@ class DynamicSampler:
         wanted = math.ceil(missing / max(self.kept_frac, self.kept_frac_floor))
         return max(1, min(wanted, math.floor(self.max_growth * default)))
 
-    def finish(self) -> tuple[list[Group], DynamicSamplingStats]:
+    def finish(self, *, budget: str | None = None, seen_as: str = "groups seen", rounds: int | None = None,
+               verdict: bool = True) -> tuple[list[Group], DynamicSamplingStats]:
         """Return the first `target_groups` kept groups (arrival order) and the step's stats.
 
         When filtering is on and fewer than `target_groups` were kept: "error" raises RuntimeError;
         "train_partial" warns and returns what there is, which may be an empty list, in which case
-        the caller skips the optimizer step.
+        the caller skips the optimizer step. A stream names its own `budget` spent ("7/7 streamed groups";
+        default: the rounds), what its seen groups are (`seen_as`) and its `rounds`; `verdict=False` (a
+        failed step) reports without warning or raising.
         """
         exhausted = self.enabled and len(self._kept) < self.target_groups
         stats = DynamicSamplingStats(
-            rounds=self._rounds,
+            rounds=self._rounds if rounds is None else rounds,
             groups_seen=self._seen,
             groups_kept=len(self._kept),
             kept_frac=self.kept_frac,
             exhausted=exhausted,
         )
-        if exhausted:
+        if exhausted and verdict:
             msg = (
                 f"dynamic sampling kept {stats.groups_kept}/{self.target_groups} informative groups "
-                f"after {stats.rounds}/{self.max_rounds} rounds ({stats.groups_seen} groups seen, "
+                f"after {budget or f'{stats.rounds}/{self.max_rounds} rounds'} ({stats.groups_seen} {seen_as}, "
                 f"kept fraction {stats.kept_frac:.3f})"
             )
             if self.on_exhausted == "error":

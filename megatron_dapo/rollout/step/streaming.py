@@ -35,7 +35,6 @@ rollout/interrupted_groups count the hand-overs.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import time
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats, is_informative
+from megatron_dapo.algo.dynamic_sampling import DynamicSampler, DynamicSamplingStats
 from megatron_dapo.config import AlgoConfig
 from megatron_dapo.config.schema import FilterMetric, OnExhausted
 from megatron_dapo.rollout.base import (
@@ -62,8 +61,6 @@ from megatron_dapo.rollout.step.scoring import RenderedPrompt
 from megatron_dapo.rollout.step.versions import stamp
 from megatron_dapo.types import Group, Prompt
 
-log = logging.getLogger(__name__)
-_KEPT_FRAC_FLOOR = 0.1
 
 
 @dataclass(kw_only=True)
@@ -98,14 +95,14 @@ class StreamPlan:
                    max_inflight=max_inflight_groups or 2 * first, max_groups=algo.max_gen_rounds * first,
                    metric=algo.filter_metric, on_exhausted=algo.on_rounds_exhausted, **carry)
 
-    def inflight(self, kept: int, seen: int, informative: int) -> int:
+    def sampler(self) -> DynamicSampler:
+        """The step's dynamic sampler (algo/dynamic_sampling.py): what is kept, the sizing, the verdict."""
+        return DynamicSampler(self.target_groups, max(1, math.ceil(self.max_groups / self.first)),
+                              self.on_exhausted, self.dynamic_sampling, metric=self.metric)
+
+    def inflight(self, sampler: DynamicSampler) -> int:
         """Groups that should be in flight now."""
-        if seen == 0:
-            want = self.first
-        else:
-            frac = max((informative + 1) / (seen + 2), _KEPT_FRAC_FLOOR)
-            want = math.ceil(self.oversample * (self.target_groups - kept) / frac)
-        return min(want, self.max_inflight)
+        return sampler.inflight(self.first, self.oversample, self.max_inflight)
 
 
 class LiveWeights(Protocol):
@@ -154,12 +151,12 @@ def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, 
     the next step's. Samples are stamped with `version` (the engine's policy version; `weights.version`
     when the weights may change mid-batch) from where they were carried in."""
     t0 = time.perf_counter()
-    out = StreamRollout(groups=[], stats=DynamicSamplingStats(0, 0, 0, 0.0, False))
+    sampler = plan.sampler()
+    out = StreamRollout(groups=sampler.kept, stats=DynamicSamplingStats(0, 0, 0, 0.0, False))
     out.stream.live = weights is not None
     version = weights.version if weights is not None else version
     prompts: dict[int, Prompt] = {}
     requests: dict[int, GroupRequest] = {}
-    informative = 0
 
     def submit(stream, items: list[tuple[Prompt, GroupRequest]]) -> None:
         for prompt, req in items:
@@ -199,7 +196,7 @@ def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, 
             while len(out.groups) < plan.target_groups:
                 if weights is not None and weights.fresher():
                     version = refresh(stream)
-                wanted = plan.inflight(len(out.groups), len(out.generated), informative) - stream.pending
+                wanted = plan.inflight(sampler) - stream.pending
                 fresh = max(0, min(wanted, plan.max_groups - out.stream.submitted))
                 submit(stream, [request(out.stream.submitted + i) for i in range(fresh)])
                 if not stream.pending:
@@ -215,15 +212,11 @@ def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, 
                 out.reward_seconds += time.perf_counter() - t
                 out.generated.append(group)
                 out.stream.generated_tokens += result.tokens - requests[result.key].resumed_tokens
-                ok = is_informative(group, plan.metric)
-                informative += ok
-                if ok or not plan.dynamic_sampling:
-                    out.groups.append(group)
-                    if len(out.groups) == 1:
-                        out.stream.first_kept_s = time.perf_counter() - t0
+                if sampler.offer(group) and len(out.groups) == 1:
+                    out.stream.first_kept_s = time.perf_counter() - t0
         except Exception as e:
             report = aborted(stream)
-            _finish(out, report, informative, plan, report.tokens, exhausted_ok=True)
+            _finish(out, report, sampler, plan, report.tokens, verdict=False)
             raise RolloutStepError(
                 f"streaming rollout failed after keeping {len(out.groups)}/{plan.target_groups} groups "
                 f"({len(out.generated)} finished, {out.stream.submitted} submitted): {e}", out) from e
@@ -240,7 +233,7 @@ def stream_groups(engine: RolloutEngine, request: Callable[[int], tuple[Prompt, 
             out.carry = PartialCarry([c for c, old in zip(cut, stale) if not old])
             out.stream.dropped_stale_groups = sum(stale)
             wasted = sum(r.resumed_tokens for (_, r), old in zip(cut, stale) if old)
-        _finish(out, report, informative, plan, wasted)
+        _finish(out, report, sampler, plan, wasted)
     out.generate_seconds = time.perf_counter() - t0 - out.reward_seconds
     return out
 
@@ -265,8 +258,8 @@ def _check_partial(stream, report: AbortReport) -> None:
                            f"({sorted(report.partial)} of {report.keys})")
 
 
-def _finish(out: StreamRollout, report: AbortReport, informative: int, plan: StreamPlan, wasted: int,
-            exhausted_ok: bool = False) -> None:
+def _finish(out: StreamRollout, report: AbortReport, sampler: DynamicSampler, plan: StreamPlan, wasted: int,
+            verdict: bool = True) -> None:
     out.stream.aborted_groups = len(report.keys)
     out.stream.carried_groups = len(out.carry)
     out.stream.carried_tokens = out.carry.tokens
@@ -274,17 +267,8 @@ def _finish(out: StreamRollout, report: AbortReport, informative: int, plan: Str
     started = [x.response_len for k in report.keys for x in report.partial.get(k, ()) if x.response_len]
     out.stream.aborted_response_len = sum(started) / len(started) if started else math.nan
     out.stream.generated_tokens += report.tokens
-    seen = len(out.generated)
-    exhausted = plan.dynamic_sampling and len(out.groups) < plan.target_groups
-    out.stats = DynamicSamplingStats(rounds=math.ceil(out.stream.submitted / plan.first), groups_seen=seen,
-                                     groups_kept=len(out.groups), exhausted=exhausted,
-                                     kept_frac=informative / seen if seen else 0.0)
-    if exhausted and not exhausted_ok:
-        msg = (f"dynamic sampling kept {len(out.groups)}/{plan.target_groups} informative groups after "
-               f"{out.stream.submitted}/{plan.max_groups} streamed groups ({seen} finished, kept fraction "
-               f"{out.stats.kept_frac:.3f})")
-        if plan.on_exhausted == "error":
-            raise RuntimeError(msg)
-        log.warning("%s; training on the partial batch", msg)
+    _, out.stats = sampler.finish(budget=f"{out.stream.submitted}/{plan.max_groups} streamed groups",
+                                  seen_as="finished", rounds=math.ceil(out.stream.submitted / plan.first),
+                                  verdict=verdict)
 
 
