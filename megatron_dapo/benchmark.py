@@ -115,7 +115,7 @@ class ForwardCounter:
         if self.log is not None:
             yield
             return
-        from megatron_dapo.rollout.decoders import HFDecoder, LlamaDecoder
+        from megatron_dapo.rollout.embedded.decoders import HFDecoder, LlamaDecoder
 
         originals = {cls: cls._forward for cls in (HFDecoder, LlamaDecoder)}
 

@@ -98,7 +98,7 @@ def test_expert_parallel_rules_and_names():
 def test_checkpoint_views_alias_the_fused_experts():
     """transformers keeps experts fused; writing a per-expert checkpoint tensor through its view changes
     exactly that expert's slice of the model."""
-    from megatron_dapo.rollout.checkpoint_names import checkpoint_views
+    from megatron_dapo.rollout.embedded.checkpoint_names import checkpoint_views
 
     model = tiny_model("qwen3_moe")
     views = checkpoint_views(dict(model.named_parameters()))

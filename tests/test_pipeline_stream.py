@@ -20,7 +20,7 @@ from megatron_dapo.config import Config, ConfigError, validate
 from megatron_dapo.metrics import read_scalars
 from megatron_dapo.rollout import EmbeddedEngine, SamplingParams
 from megatron_dapo.rollout.base import GroupRequest
-from megatron_dapo.rollout.process_engine import ProcessEngine
+from megatron_dapo.rollout.embedded.process_engine import ProcessEngine
 from megatron_dapo.rollout.step.pipeline import RolloutPipeline, WeightSnapshot
 from megatron_dapo.rollout.step.result import StepRollout, StreamRollout
 from megatron_dapo.rollout.step.streaming import StreamPlan, stream_groups

@@ -1,4 +1,4 @@
-"""The embedded engine in a process of its own (rollout/process_engine.py), what off-policy pipelining runs:
+"""The embedded engine in a process of its own (rollout/embedded/process_engine.py), what off-policy pipelining runs:
 exactly the in-process engine's samples and logprobs (batched, streamed, aborted with partial samples, after
 weight updates), its errors with their types, a dead child named instead of a hang, and a child that is
 always reaped."""
@@ -22,7 +22,7 @@ from megatron_dapo.rollout.base import (
     SamplingParams,
 )
 from megatron_dapo.rollout.embedded import EmbeddedEngine
-from megatron_dapo.rollout.process_engine import EngineProcessError, ProcessEngine
+from megatron_dapo.rollout.embedded.process_engine import EngineProcessError, ProcessEngine
 from megatron_dapo.rollout.restarts import EngineLostError, Restarts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -266,7 +266,7 @@ def test_an_error_that_cannot_cross_the_pipe_arrives_as_a_runtime_error_naming_i
     import threading
 
     from megatron_dapo.rollout.base import NonFiniteLogitsError
-    from megatron_dapo.rollout.process_worker import portable
+    from megatron_dapo.rollout.embedded.process_worker import portable
 
     keeps = NonFiniteLogitsError("nan at step 3")
     assert portable(keeps) is keeps

@@ -188,7 +188,7 @@ def test_ep_ranks_that_pack_different_micro_batch_counts_agree(hf_dirs, tmp_path
 def test_loss_and_clipped_grads_equal_plain_torch(train_runs, hf_dirs, model):
     """transformers forward + the DAPO loss written out here, autograd: Megatron adds nothing to the loss (no
     MoE load-balancing or z-loss gradient), the grad norm covers every expert, the clip is Megatron's."""
-    from megatron_dapo.rollout.checkpoint_names import checkpoint_views
+    from megatron_dapo.rollout.embedded.checkpoint_names import checkpoint_views
 
     hf = _hf(hf_dirs[model])
     b = fixed_batch()

@@ -14,7 +14,7 @@ from megatron_dapo.rollout import EmbeddedEngine, EngineStateError, GenerationAb
 from megatron_dapo.rollout.base import GroupRequest, RolloutEngine, RolloutStream
 from megatron_dapo.rollout.engine_group import EngineGroup
 from megatron_dapo.rollout.group_stream import EngineGroupFailure
-from megatron_dapo.rollout.sampling import counter_uniforms
+from megatron_dapo.rollout.embedded.sampling import counter_uniforms
 from megatron_dapo.tiny import tiny_model
 
 VOCAB = 128
@@ -129,7 +129,7 @@ def test_a_group_does_not_depend_on_its_batch(model):
 
 
 def test_length_buckets_keep_the_padding_under_the_real_positions():
-    from megatron_dapo.rollout.slots import length_buckets
+    from megatron_dapo.rollout.embedded.slots import length_buckets
 
     lengths = [20, 280, 25, 150, 141, 12]
     buckets = length_buckets(lengths)
@@ -143,8 +143,8 @@ def test_length_buckets_keep_the_padding_under_the_real_positions():
 def test_an_admission_of_mixed_lengths_prefills_by_length(model, monkeypatch):
     """A 40-token row (a carried response) and short prompts prefill apart, not as 40-wide rows; every new
     row's logits, before and after one decode step, are those of a plain forward over that row alone."""
-    from megatron_dapo.rollout.decoders import LlamaDecoder
-    from megatron_dapo.rollout.slots import SlotDecoder
+    from megatron_dapo.rollout.embedded.decoders import LlamaDecoder
+    from megatron_dapo.rollout.embedded.slots import SlotDecoder
 
     widths = []
     real_forward = LlamaDecoder._forward
@@ -184,7 +184,7 @@ def test_the_next_stream_reuses_the_kv_memory(model):
 def test_finished_rows_are_refilled_at_once(model, monkeypatch):
     """Continuous batching: a row that finishes at one step is replaced at the next; while rows wait,
     every step samples a full batch of slots."""
-    from megatron_dapo.rollout.continuous import EmbeddedStream
+    from megatron_dapo.rollout.embedded.continuous import EmbeddedStream
 
     seen = []  # (running rows, slots, rows still waiting) after each admission
     real_admit = EmbeddedStream._admit

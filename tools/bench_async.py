@@ -4,7 +4,7 @@ with `rollout.async_steps=1`, wall per step, each side's idle time and tokens/s,
 Both runs are `python -m megatron_dapo.train` on the same base, prompts, groups and updates (seeded), with
 `rollout.colocate=false`, in one session; torch gets --threads threads. The engine is on its own cores in
 both runs, as on its own GPUs: the embedded engine runs in a process of its own with half of the threads
-(rollout/process_engine.py), the actor keeps the other half, and in the synchronous run each side idles
+(rollout/embedded/process_engine.py), the actor keeps the other half, and in the synchronous run each side idles
 while the other works. Bases: tiny (0.6M parameters), steps (the study's longer responses; built in up to 15
 minutes, kept with --bases-dir) and smollm2 (SmolLM2-135M's architecture with --smollm2-layers layers, random weights, the
 SmolLM2 recipe on built-in arithmetic prompts: a size where the kernels, not Python, take the time).

@@ -1,7 +1,7 @@
 """The rollout engine a run generates with: SGLang servers (node leaders start them, the driver drives them
 all) or the embedded engine (the driver only), on the actor's own weights where they can be shared
 (shared_weights.py) and stay in place while it generates. On its own devices (rollout.colocate=false) the
-embedded engine runs in a process of its own (rollout/process_engine.py) on its own share of the cores, in
+embedded engine runs in a process of its own (rollout/embedded/process_engine.py) on its own share of the cores, in
 the synchronous loop as with off-policy pipelining: it never lends them to the actor, as a GPU it owned
 would not be."""
 
@@ -91,7 +91,7 @@ def _own_process_engine(model_cfg: ModelConfig, report: StartupReport, why_own: 
                         restarts: Restarts | None) -> tuple[RolloutEngine, int]:
     """The embedded engine from hf_dir in a process of its own (not a thread: it would share the interpreter
     lock with the actor) with its share of the torch threads, which this process gives up; and that share."""
-    from megatron_dapo.rollout.process_engine import ProcessEngine
+    from megatron_dapo.rollout.embedded.process_engine import ProcessEngine
 
     total = torch.get_num_threads()
     threads = engine_threads(total)

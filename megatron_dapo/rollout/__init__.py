@@ -1,5 +1,5 @@
 """Rollout engines behind one interface: the embedded (in-process) engine, the same in a process of its own
-(process_engine.py: what off-policy pipelining generates with), and SGLang servers.
+(embedded/process_engine.py: what off-policy pipelining generates with), and SGLang servers.
 
 `EmbeddedEngine` is imported lazily so that `megatron_dapo.rollout.base` stays light.
 """

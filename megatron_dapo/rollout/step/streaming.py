@@ -10,7 +10,7 @@ all kept.
 
 Reproducibility: group g of step s has the g-th prompt the data iterator gives that step and sampling
 seed f(train.seed, step, g), so its samples are a pure function of (seed, step, g) whatever finishes
-first (engines permitting: see rollout/continuous.py and rollout/sglang/stream.py). WHICH groups are
+first (engines permitting: see rollout/embedded/continuous.py and rollout/sglang/stream.py). WHICH groups are
 kept (the first N informative to finish), and so how far the data iterator advances, follows completion
 order: on the embedded engine that order is itself deterministic (its stream is one synchronous decode
 loop), on SGLang servers it is timing. Aborted groups' prompts are consumed, as in slime. Groups that

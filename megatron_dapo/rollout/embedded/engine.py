@@ -39,11 +39,11 @@ from megatron_dapo.rollout.base import (
     check_prompts,
     check_tags,
 )
-from megatron_dapo.rollout.checkpoint_names import checkpoint_views
-from megatron_dapo.rollout.continuous import EmbeddedStream
-from megatron_dapo.rollout.decoders import Decoder, HFDecoder, LlamaDecoder, llama_fast_path_ok
-from megatron_dapo.rollout.sampling import sample_next
-from megatron_dapo.rollout.slots import RowDecoder, SlotDecoder, WaveDecoder
+from megatron_dapo.rollout.embedded.checkpoint_names import checkpoint_views
+from megatron_dapo.rollout.embedded.continuous import EmbeddedStream
+from megatron_dapo.rollout.embedded.decoders import Decoder, HFDecoder, LlamaDecoder, llama_fast_path_ok
+from megatron_dapo.rollout.embedded.sampling import sample_next
+from megatron_dapo.rollout.embedded.slots import RowDecoder, SlotDecoder, WaveDecoder
 from megatron_dapo.types import Sample
 
 _COMPACT_BELOW = 0.75

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from megatron_dapo.rollout.decoders import HFDecoder, LlamaDecoder
+from megatron_dapo.rollout.embedded.decoders import HFDecoder, LlamaDecoder
 
 
 def length_buckets(lengths: Sequence[int]) -> list[list[int]]:

@@ -50,7 +50,7 @@ from megatron_dapo.rollout.base import (
     RolloutStream,
     SamplingParams,
 )
-from megatron_dapo.rollout.process_worker import ALIGN, main
+from megatron_dapo.rollout.embedded.process_worker import ALIGN, main
 from megatron_dapo.rollout.restarts import EngineLostError, Restarts
 from megatron_dapo.stop_signals import helpers_shielded
 from megatron_dapo.types import Sample

@@ -38,8 +38,8 @@ from megatron_dapo.rollout.base import (
     RolloutStream,
     SamplingParams,
 )
-from megatron_dapo.rollout.sampling import counter_uniforms, sample_next
-from megatron_dapo.rollout.slots import RowDecoder
+from megatron_dapo.rollout.embedded.sampling import counter_uniforms, sample_next
+from megatron_dapo.rollout.embedded.slots import RowDecoder
 from megatron_dapo.types import FinishReason, Sample
 
 
