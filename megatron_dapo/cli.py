@@ -88,8 +88,8 @@ def started_as_cli(argv: list[str]) -> bool:
 
 def quiet_imports() -> None:
     """Silence megatron-core's import-time noise before it is imported (our command lines only: the package
-    calls this when `started_as_cli`), here and in the processes this one starts (spawned workers, the
-    checkpoint writer's Manager): they inherit PYTHONWARNINGS."""
+    calls this when `started_as_cli`), here and in the processes this one starts (spawned workers:
+    they import megatron-core again): they inherit PYTHONWARNINGS."""
     for name in ("megatron", "megatron.core"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")

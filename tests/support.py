@@ -95,8 +95,8 @@ def logged_steps(tb: Path) -> set[int]:
 
 def kill_job_at(cmd: list[str], env: dict, marker: Path, timeout: float = 300) -> None:
     """Start `cmd` and SIGKILL its whole process group once `marker` exists (or the run ends or times out),
-    as a node failure or scancel does: the trainer alone would leave megatron-core's checkpoint-writer
-    Manager (a multiprocessing spawn child) orphaned and running forever."""
+    as a node failure or scancel does: the trainer alone would leave its helpers (multiprocessing's
+    resource tracker, a writer process mid-save) orphaned."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + timeout

@@ -103,6 +103,23 @@ def test_the_package_never_unpickles():
     assert not hits, hits
 
 
+def test_a_synchronous_save_starts_no_manager_process(monkeypatch):
+    """megatron-core would make its write-results queue a spawned Manager's (a fresh interpreter importing the
+    trainer, ~5 s of CPU per run); our synchronous saves give it an in-process queue first."""
+    import queue
+
+    import psutil
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_dapo.actor.checkpoint import _in_process_write_results
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    _in_process_write_results()
+    assert isinstance(filesystem_async._get_write_results_queue(), queue.Queue)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
 # ------------------------------------------------------------------------ real actor (torchrun)
 
 

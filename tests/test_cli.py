@@ -102,7 +102,7 @@ def test_started_as_cli(argv, ours):
 
 
 def test_quiet_imports_reaches_the_processes_started(monkeypatch):
-    """Spawned workers and megatron-core's checkpoint Manager import megatron-core again: the filter goes to
+    """Spawned workers import megatron-core again: the filter goes to
     them through PYTHONWARNINGS, added once to what the user set."""
     from megatron_dapo.cli import IMPORT_NOISE, quiet_imports
 

@@ -127,7 +127,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_the_run_replays_exactly(base
 
 def preempt_and_resume(base_dir, straight, tmp_path, env, sig: int, save_every: int) -> list[str]:
     """Signal the whole job (signal_job) once step 1 is logged (with `save_every`, once its checkpoint is
-    complete: megatron-core's writer Manager is alive then): the step in flight is finished and saved, one
+    complete: multiprocessing's resource tracker is alive then): the step in flight is finished and saved, one
     line names the signal, exit 128 + sig; resume=auto then replays the uninterrupted run. Returns what
     else was signalled."""
     cmd = train_cmd(base_dir, tmp_path, "term", *STEPS, f"checkpoint.save_every={save_every}")
@@ -164,10 +164,11 @@ def test_sigterm_saves_the_step_and_resume_replays_exactly(base_dir, straight, t
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
 def test_a_signal_to_every_process_spares_the_helpers_and_resume_replays(base_dir, straight, tmp_path, env, sig):
-    """The helpers outlive the job's signal: the checkpoint writer's Manager (a spawned helper) used to die of
-    the job's SIGTERM first, and the trainer's save of the step in flight then failed with BrokenPipeError."""
+    """The helpers outlive the job's signal: a helper the checkpoint writer started (megatron-core's spawned
+    Manager once, multiprocessing's resource tracker now) used to die of the job's SIGTERM first, and the
+    trainer's save of the step in flight then failed with BrokenPipeError."""
     helpers = preempt_and_resume(base_dir, straight, tmp_path, env, sig, save_every=1)
-    assert any("multiprocessing" in h for h in helpers), helpers  # the helpers were signalled too
+    assert any("multiprocessing" in h for h in helpers), helpers  # the tracker was signalled too, and lives
 
 
 @pytest.mark.slow

@@ -133,7 +133,7 @@ class RunState:
         state |= {key: part.state_dict() for key, part in self.parts().items()}  # read after that
         state["config"] = to_dict(self.cfg)
         self.phases.train()  # the actor's state on its device (it may sleep through the rollout)
-        with helpers_shielded():  # megatron-core's writer processes (and, once, their Manager) start here
+        with helpers_shielded():  # megatron-core's writer processes (and, once, a resource tracker) start here
             save_checkpoint(self.actor, self.ckpt_root, step, trainer_state=state,
                             keep_last=self.cfg.checkpoint.keep_last, hf_dir=self.hf_dir)
         self.last_saved = step
