@@ -62,7 +62,6 @@ from megatron_dapo.rollout.step.versions import stamp
 from megatron_dapo.types import Group, Prompt
 
 
-
 @dataclass(kw_only=True)
 class StreamPlan:
     """How many groups to keep, start, have in flight and spend at most in one step."""
