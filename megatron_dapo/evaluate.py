@@ -236,7 +236,7 @@ def run(cfg: Config, hf_dir: Path) -> Any:
     from megatron_dapo.data.render import use_chat_template
     from megatron_dapo.loop.evaluation import EvalResult, generate_and_score
     from megatron_dapo.reward import RewardLoadError, Scorer
-    from megatron_dapo.rollout.step.seeds import sampling_params
+    from megatron_dapo.collect.seeds import sampling_params
 
     try:
         scorer = Scorer(cfg.reward, cfg.rollout.max_response_len)

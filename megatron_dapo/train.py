@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from megatron_dapo import parallel
@@ -34,15 +32,8 @@ from megatron_dapo.loop.preempt import Preempted, StartInterrupted, StopSignals
 from megatron_dapo.loop.report import pace_line
 from megatron_dapo.loop.state import RunState
 from megatron_dapo.loop.weight_probe import WeightSyncError
-from megatron_dapo.loop.weight_sync import SyncStats
-from megatron_dapo.rollout.restarts import EngineLostError
 from megatron_dapo.metrics import progress
-from megatron_dapo.rollout.base import NonFiniteLogitsError
-from megatron_dapo.rollout.step.result import StepRollout
-from megatron_dapo.rollout.step.rounds import collect_rounds
-from megatron_dapo.rollout.step.seeds import sampling_params
-from megatron_dapo.rollout.step.streaming import StreamPlan, collect_stream
-from megatron_dapo.rollout.step.versions import drop_stale, staleness_scalars
+from megatron_dapo.rollout.restarts import EngineLostError
 from megatron_dapo.types import Group, TrainBatch
 
 log = logging.getLogger(__name__)
@@ -88,9 +79,6 @@ def start_run(cfg: Config, stop: StopSignals) -> RunState:
     run = None
     try:
         run = build_run(cfg)
-        if run.pipeline is not None:
-            run.pipeline.produce = lambda step: collect(run, step)
-            run.pipeline.apply_weights = run.phases.take_snapshot
         stop.started()
         return run
     except (StartInterrupted, Exception) as e:
@@ -137,20 +125,19 @@ def _steps(run: RunState, stop: StopSignals) -> dict[str, float]:
 
 
 def dapo_step(run: RunState, step: int) -> dict[str, float]:
-    """One DAPO step: rollout -> rewards -> dynamic sampling -> advantages -> pi_old -> updates -> sync."""
-    cfg, timer, t_step = run.cfg, run.timer, time.perf_counter()
+    """One DAPO step: rollout -> rewards -> dynamic sampling -> advantages -> pi_old -> updates -> sync.
+    When the weights move (rollout.async_steps) is the schedule's: run.schedule (schedule/schedule.py)."""
+    cfg, timer, schedule, t_step = run.cfg, run.timer, run.schedule, time.perf_counter()
     run.phases.generate()
     parallel.driver_phase(f"rollout of step {step}")
-    with timer("rollout"):  # generation and reward scoring, round by round or group by group
-        rollout = next_rollout(run, step) if run.is_driver else None
+    with timer("rollout"):  # generation, reward scoring and dynamic sampling, round by round or group by group
+        rollout = schedule.rollout(step) if run.is_driver else None
         parallel.join_driver("rollout")  # the other ranks wait host-side, however long the rollout takes
     out, batch = {}, None
     if rollout is not None:  # the driver: monitors over everything generated, then the batch to train on
         run.write_samples(step, "train", rollout.generated)
-        groups = rollout.groups
-        if run.pipeline is not None:  # off-policy: too stale a group is dropped (the actor has made step - 1 updates)
-            groups, dropped = drop_stale(groups, step - 1, cfg.rollout.async_steps)
-            out.update(staleness_scalars(groups, step - 1, dropped))
+        groups, staleness = schedule.fresh(rollout.groups, step)  # off-policy: too stale a group is dropped
+        out.update(staleness)
         groups = distribute.trainable(groups, run.num_mini_batches)  # whole mini-batches on every DP rank
         out.update({**rollout.scalars(), **run.restarts.scalars(), "rollout/groups_trained": float(len(groups))})
         batch = train_batch(run, groups) if groups else None
@@ -162,9 +149,7 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
     out.update({"rollout/samples_total": float(run.samples_generated), **moved.scalars()})
     if batch is None:
         log.warning("step %d: no informative group to train on; skipping the update", step)
-        batch_boundary(run)
-        if run.pipeline is not None:  # the weights after this step are those after the last
-            run.pipeline.publish(step, None)
+        schedule.skip(step)
         return {**out, **step_timings(run, t_step, 0, None)}
     run.phases.train()
     with timer("old_logprob"):
@@ -176,9 +161,9 @@ def dapo_step(run: RunState, step: int) -> dict[str, float]:
                                           epochs=cfg.algo.epochs_per_rollout)
         except NonFiniteWeightsError as e:
             raise NonFiniteWeightsError(f"step {step}: {e}") from None
-    batch_boundary(run)
+    schedule.boundary()
     with timer("weight_sync"):
-        sync = sync_engine(run, step)
+        sync = schedule.publish(step)
     out.update(monitors.update_scalars(update, monitors.token_means(batch, entropy)))
     out.update(run.phases.ledger)
     return {**out, **step_timings(run, t_step, int(batch.lengths.sum()), sync.scalars())}
@@ -199,117 +184,23 @@ def train_batch(run: RunState, groups: list[Group]) -> TrainBatch:
 
 def step_timings(run: RunState, t_step: float, tokens: int, sync: dict[str, float] | None) -> dict[str, float]:
     timings = monitors.step_timings(run.timer.take(), time.perf_counter() - t_step, tokens, sync)
-    return {**timings, **(run.pipeline.step_scalars() if run.pipeline is not None else {})}
-
-
-def next_rollout(run: RunState, step: int) -> StepRollout:
-    """The driver's batch of step `step`: collected now, or (off-policy pipelining) the one generated while
-    earlier steps trained, the next ones (up to rollout.async_steps ahead) started at once."""
-    if run.pipeline is None:
-        with rollout_logits_checked(run, after_step=step - 1):
-            return collect(run, step)
-    with rollout_logits_checked(run, after_step=run.phases.step):
-        rollout = run.pipeline.take(step)
-    run.pipeline.fill(step, run.cfg.train.steps)
-    return rollout
-
-
-def sync_engine(run: RunState, step: int) -> SyncStats:
-    """The weights after `step` for the engine: synced at once (the synchronous loop; async_steps=1, at the
-    batch boundary), or copied for the producer to hand over when a batch is due them (async_steps >= 2), or
-    at once, mid-batch (async_mode=stream)."""
-    k, stream = run.cfg.rollout.async_steps, run.cfg.rollout.async_mode == "stream"
-    if k >= 2 or (k and stream):  # batch step + 1 + k is the first that is due these weights; fully async: any later
-        stats, snapshot = run.phases.snapshot(step, due=step + 1 + (0 if stream else k) <= run.cfg.train.steps)
-    else:
-        stats, snapshot = run.phases.sync(step), None
-    if run.pipeline is not None:
-        run.pipeline.publish(step, snapshot)
-    return stats
-
-
-def batch_boundary(run: RunState) -> None:
-    """async_steps=1: wait for the next batch (generated from the weights the engine still holds) before
-    those weights change. Nothing to do in the synchronous loop, nor with async_steps >= 2 or async_mode=stream
-    (the engine takes snapshots)."""
-    if run.pipeline is not None and run.pipeline.depth == 1 and not run.pipeline.stream:
-        with rollout_logits_checked(run, after_step=run.phases.step):
-            with run.timer("rollout_wait"):
-                run.pipeline.wait()
-
-
-def collect(run: RunState, step: int) -> StepRollout:
-    """The step's groups (driver only): streamed (`rollout.streaming`) or in synchronous rounds; both stamp
-    the samples with the engine's policy version (its weights are those after step `version`)."""
-    cfg = run.cfg
-    version = run.pipeline.version if run.pipeline is not None else run.phases.step
-    rollout: StepRollout
-    if cfg.rollout.streaming:
-        plan = StreamPlan.from_config(cfg.algo, cfg.train.prompt_batch_size, cfg.rollout.max_inflight_groups,
-                                      cfg.rollout.partial_rollout, cfg.rollout.max_carry_steps)
-        rollout = collect_stream(run.engine, run.next_prompt, run.score,
-                                 lambda g: sampling_params(cfg, run.eos_ids, "train", step, "group", g), plan,
-                                 group_size=cfg.algo.group_size, carry=run.carry, version=version,
-                                 weights=run.pipeline if cfg.rollout.async_mode == "stream" else None)
-        run.carry = rollout.carry
-    else:
-        rollout = collect_rounds(run.engine, run.next_prompt, run.score,
-                                 lambda r: sampling_params(cfg, run.eos_ids, "train", step, r), algo=cfg.algo,
-                                 target_groups=cfg.train.prompt_batch_size, version=version)
-    rollout.reward_failures = run.scorer.take_failures()
-    return rollout
+    return {**timings, **run.schedule.scalars()}
 
 
 def validate_policy(run: RunState, step: int) -> dict[str, float]:
     """avg@k, pass@k, maj@k on the validation prompts (driver only; other ranks return nothing), on the
     weights after `step` (val/policy_version says so with off-policy pipelining)."""
-    settle_engine(run, step)
+    run.schedule.settle(step)
     run.phases.generate()
     parallel.driver_phase(f"evaluation after step {step}")
-    with rollout_logits_checked(run, after_step=step):
+    with run.schedule.checked(after_step=step):
         result = run_validation(run.engine, run.tokenizer, run.val_prompts, run.cfg, run.eos_ids, run.scorer) \
             if run.is_driver else None
     parallel.join_driver("eval")
     if result is None:
         return {}
     run.write_samples(step, "val", result.groups)
-    version = {"val/policy_version": float(run.pipeline.version)} if run.pipeline is not None else {}
-    return {**result.val_scalars(), "timing/eval_s": result.seconds, **version}
-
-
-def settle_engine(run: RunState, step: int) -> None:
-    """async_steps >= 2 or async_mode=stream, before an evaluation after a step: the batches in production
-    finish, then the engine takes the weights after `step` directly (collective), as in the synchronous loop.
-    The next batch to start (step + 1 + k) is due exactly these weights, so the schedule is unchanged."""
-    r = run.cfg.rollout
-    if (r.async_steps < 2 and not (r.async_steps and r.async_mode == "stream")) or step <= run.start_step:
-        return
-    if run.pipeline is not None:
-        run.pipeline.drain()
-    run.phases.sync(step)
-    if run.pipeline is not None:
-        run.pipeline.synced(step)
-
-
-@contextmanager
-def rollout_logits_checked(run: RunState, after_step: int) -> Iterator[None]:
-    """An engine's NonFiniteLogitsError, however wrapped (stream, engine group), becomes one line naming the
-    weights the rollout ran on: those of step `after_step`'s update, or the ones the run started from."""
-    try:
-        yield
-    except Exception as e:
-        cause: BaseException | None = e
-        while cause is not None and not isinstance(cause, NonFiniteLogitsError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
-        if after_step > run.start_step:
-            where = f"after step {after_step}: the last update diverged ({run.actor.last_update or 'no update'})"
-        else:
-            start = f"checkpoint step {after_step}" if after_step else f"model.hf_dir={run.hf_dir}"
-            where = f"of step {after_step + 1}: the weights the run started from ({start}) are unusable"
-        raise NonFiniteWeightsError(f"non-finite logits in the rollout {where}: {cause}; stopped without saving "
-                                    f"these weights (lower actor.optimizer.lr?)") from None
+    return {**result.val_scalars(), "timing/eval_s": result.seconds, **run.schedule.version_scalars()}
 
 
 def write(run: RunState, step: int, values: dict[str, float], bar=None) -> None:

@@ -140,12 +140,16 @@ def test_a_servers_non_finite_answer_is_refused(ids, logprobs, needle):
 
 def test_the_rollout_error_names_the_step_through_every_wrapper():
     from megatron_dapo.actor.actor import NonFiniteWeightsError
-    from megatron_dapo.rollout.step.streaming import RolloutStepError
+    from megatron_dapo.collect.streaming import RolloutStepError
     from megatron_dapo.rollout.engine_group import EngineGroupError
-    from megatron_dapo.train import rollout_logits_checked
+    from megatron_dapo.config import RolloutConfig
+    from megatron_dapo.metrics import PhaseTimer
+    from megatron_dapo.schedule import Schedule
 
-    run_state: Any = SimpleNamespace(start_step=4, hf_dir="/models/base",
-                                actor=SimpleNamespace(last_update="update 20: lr 0.5, grad norm 3"))
+    actor: Any = SimpleNamespace(last_update="update 20: lr 0.5, grad norm 3")
+    schedule = Schedule(RolloutConfig(), 10, SimpleNamespace(step=0), None, PhaseTimer(), actor,  # type: ignore[arg-type]
+                        "model.hf_dir=/models/base")
+    schedule.start_step = 4
 
     def raise_wrapped():
         try:
@@ -158,12 +162,12 @@ def test_the_rollout_error_names_the_step_through_every_wrapper():
 
     for after, needle in [(6, "in the rollout after step 6: the last update diverged (update 20: lr 0.5"),
                           (4, "in the rollout of step 5: the weights the run started from (checkpoint step 4)")]:
-        with pytest.raises(NonFiniteWeightsError) as e, rollout_logits_checked(run_state, after_step=after):
+        with pytest.raises(NonFiniteWeightsError) as e, schedule.checked(after_step=after):
             raise_wrapped()
         assert needle in str(e.value) and "3 of 8 rows" in str(e.value), str(e.value)
-    run_state.start_step = 0
+    schedule.start_step = 0
     with pytest.raises(NonFiniteWeightsError, match=r"of step 1: .* \(model.hf_dir=/models/base\)"), \
-            rollout_logits_checked(run_state, after_step=0):
+            schedule.checked(after_step=0):
         raise_wrapped()
-    with pytest.raises(RolloutStepError), rollout_logits_checked(run_state, after_step=3):
+    with pytest.raises(RolloutStepError), schedule.checked(after_step=3):
         raise RolloutStepError("another failure", partial=None)  # anything else passes through unchanged

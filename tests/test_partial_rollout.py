@@ -1,7 +1,7 @@
 """Partial rollout. On the embedded engine an aborted stream reports each cancelled group's samples so far,
 and resubmitting them (`GroupRequest.resume`) continues every response exactly where it stopped: the
 finished responses are those of a stream that was never aborted (tokens identical, logprobs to 1e-5).
-Then the loop (rollout/step/streaming.py): a step hands its aborted groups to the next, token accounting, the
+Then the loop (collect/streaming.py): a step hands its aborted groups to the next, token accounting, the
 checkpointed carry, config checks. Then SGLang's stream against a scripted server: aborted responses come
 back with their logprobs and continue from where they stopped (tests/test_rollout_sglang_streaming.py
 runs it on the real server)."""
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from megatron_dapo.config import ConfigError, load_config, validate
-from megatron_dapo.rollout.step.carry import PartialCarry
-from megatron_dapo.rollout.step.seeds import seed_of
-from megatron_dapo.rollout.step.streaming import StreamPlan, stream_groups
+from megatron_dapo.collect.carry import PartialCarry
+from megatron_dapo.collect.seeds import seed_of
+from megatron_dapo.collect.streaming import StreamPlan, stream_groups
 from megatron_dapo.rollout import EmbeddedEngine, SamplingParams
 from megatron_dapo.rollout.base import GroupRequest, RolloutStream
 from megatron_dapo.tiny import tiny_model

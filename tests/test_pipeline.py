@@ -1,4 +1,4 @@
-"""Off-policy pipelining (`rollout.async_steps=1`, rollout/step/pipeline.py): the fixed k=1 schedule, real overlap,
+"""Off-policy pipelining (`rollout.async_steps=1`, schedule/pipeline.py): the fixed k=1 schedule, real overlap,
 the recorded policy versions, staleness dropping, the pending batch in checkpoints, exact resume (k=1 and 2),
 the config's refusals; the synchronous loop keeps its own (no staleness monitors, no correction by default).
 More than one batch ahead: test_pipeline_deep.py."""
@@ -16,10 +16,10 @@ from support import TAGS, kill_job_at, run_train, train_cmd
 
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats
 from megatron_dapo.config import Config, ConfigError, validate
-from megatron_dapo.rollout.step.carry import PartialCarry
-from megatron_dapo.rollout.step.pipeline import RolloutPipeline
-from megatron_dapo.rollout.step.result import StepRollout, StreamRollout, StreamStats, load_rollout, rollout_state
-from megatron_dapo.rollout.step.versions import drop_stale, stamp, staleness_scalars
+from megatron_dapo.collect.carry import PartialCarry
+from megatron_dapo.schedule.pipeline import RolloutPipeline
+from megatron_dapo.collect.result import StepRollout, StreamRollout, StreamStats, load_rollout, rollout_state
+from megatron_dapo.collect.versions import drop_stale, stamp, staleness_scalars
 from megatron_dapo.metrics import read_scalars
 from megatron_dapo.rollout.base import GroupRequest, SamplingParams
 from megatron_dapo.types import FinishReason, Group, Prompt, Sample
@@ -189,7 +189,7 @@ def test_a_checkpoint_records_the_prompts_after_the_batches_still_in_production(
     saved = {}
     monkeypatch.setattr(state_mod, "save_checkpoint", lambda *a, trainer_state, **kw: saved.update(trainer_state))
     run: Any = SimpleNamespace(prompts=prompts, alarms=SimpleNamespace(state_dict=dict), samples_generated=0,
-                          cfg=Config(), carry=PartialCarry(), pipeline=pipe, phases=SimpleNamespace(train=lambda: None),
+                          cfg=Config(), carry=PartialCarry(), schedule=pipe, phases=SimpleNamespace(train=lambda: None),
                           actor=None, ckpt_root=None, hf_dir=None, restarts=Restarts(0))
     run.parts = lambda: state_mod.RunState.parts(run)
     threading.Timer(0.2, release.set).start()

@@ -1,4 +1,4 @@
-"""Off-policy pipelining more than one batch ahead (`rollout.async_steps=k >= 2`, rollout/step/pipeline.py): the
+"""Off-policy pipelining more than one batch ahead (`rollout.async_steps=k >= 2`, schedule/pipeline.py): the
 fixed schedule (batch b from the weights after step b-1-k) whether the engine runs ahead or lags, the
 snapshots the producer hands over, the batches a checkpoint holds, an evaluation on the newest weights, the
 SGLang refusal; end to end on the embedded engine and on a real SGLang server. Resume: test_pipeline.py."""
@@ -15,8 +15,8 @@ from support import TAGS, run_train, train_cmd
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats
 from megatron_dapo.config import Config, ConfigError, validate
 from megatron_dapo.metrics import read_scalars
-from megatron_dapo.rollout.step.pipeline import RolloutPipeline, WeightSnapshot
-from megatron_dapo.rollout.step.result import StepRollout
+from megatron_dapo.schedule.pipeline import RolloutPipeline, WeightSnapshot
+from megatron_dapo.collect.result import StepRollout
 from megatron_dapo.types import Group, Prompt, Sample
 
 

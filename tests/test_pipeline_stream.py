@@ -21,10 +21,10 @@ from megatron_dapo.metrics import read_scalars
 from megatron_dapo.rollout import EmbeddedEngine, SamplingParams
 from megatron_dapo.rollout.base import GroupRequest
 from megatron_dapo.rollout.embedded.process_engine import ProcessEngine
-from megatron_dapo.rollout.step.pipeline import RolloutPipeline, WeightSnapshot
-from megatron_dapo.rollout.step.result import StepRollout, StreamRollout
-from megatron_dapo.rollout.step.streaming import StreamPlan, stream_groups
-from megatron_dapo.rollout.step.versions import stamp
+from megatron_dapo.schedule.pipeline import RolloutPipeline, WeightSnapshot
+from megatron_dapo.collect.result import StepRollout, StreamRollout
+from megatron_dapo.collect.streaming import StreamPlan, stream_groups
+from megatron_dapo.collect.versions import stamp
 from megatron_dapo.tiny import tiny_model
 from megatron_dapo.types import Prompt, Sample
 

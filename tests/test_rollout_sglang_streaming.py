@@ -14,7 +14,7 @@ import pytest
 from sglang_support import SGLANG_TIMEOUT, process_gone, max_logprob_diff, server_ports
 
 from megatron_dapo.config import SGLangConfig
-from megatron_dapo.rollout.step.streaming import RolloutStepError, StreamPlan, stream_groups
+from megatron_dapo.collect.streaming import RolloutStepError, StreamPlan, stream_groups
 from megatron_dapo.rollout.base import GenerationAborted, GroupRequest, SamplingParams
 from megatron_dapo.rollout.sglang.engine import SGLangEngine
 from megatron_dapo.types import Group, Prompt

@@ -1,4 +1,4 @@
-"""RunState's parts (issue 39 item 5): registered once, the pipeline saved first and loaded last; a part an
+"""RunState's parts (issue 39 item 5): registered once, the schedule's pending batches saved first and loaded last; a part an
 older checkpoint lacks starts afresh; a carry is dropped without partial rollout."""
 
 import json
@@ -11,7 +11,7 @@ from megatron_dapo.config import Config
 from megatron_dapo.loop import state as run_state
 from megatron_dapo.metrics import Alarms
 from megatron_dapo.rollout.restarts import Restarts
-from megatron_dapo.rollout.step.carry import PartialCarry
+from megatron_dapo.collect.carry import PartialCarry
 
 
 class Part:
@@ -26,7 +26,7 @@ class Part:
 
 
 class Pipeline:
-    """Like RolloutPipeline: its state_dict finishes a batch in production, which counts its samples."""
+    """Like a pipelined Schedule: its state_dict finishes a batch in production, which counts its samples."""
 
     def __init__(self, run=None, pending=None):
         self.run, self.pending, self.version = run, pending, None
@@ -35,8 +35,8 @@ class Pipeline:
         self.run.samples_generated += 8
         return self.pending
 
-    def load_state_dict(self, state, version=0):
-        self.pending, self.version = state, version
+    def load_state_dict(self, state, step):
+        self.pending, self.version = state, step
 
 
 def new_run(cfg: Config, **kw) -> Any:
@@ -44,7 +44,7 @@ def new_run(cfg: Config, **kw) -> Any:
     stub: Any = SimpleNamespace(train=lambda: None, load_history=lambda step: None)
     return run_state.RunState(cfg=cfg, actor=None, tokenizer=None, engine=None, phases=stub, prompts=Part(),  # type: ignore[arg-type]
                               val_prompts=[], writer=stub, alarms=Alarms(cfg.logging, 16), ckpt_root=None,
-                              hf_dir="", scorer=None, old_logprobs=None, **kw)
+                              hf_dir="", scorer=None, old_logprobs=None, schedule=Pipeline(), **kw)
 
 
 @pytest.fixture
@@ -64,7 +64,7 @@ def test_the_parts_round_trip_and_the_pipeline_saves_first(checkpoint, partial):
     cfg = Config()
     cfg.rollout.partial_rollout = partial
     run = new_run(cfg, restarts=Restarts(3, engine_restarts=2, resubmitted_groups=5), samples_generated=40)
-    run.pipeline = Pipeline(run, pending={"step": 7})
+    run.schedule = Pipeline(run, pending={"step": 7})
     run.prompts.value = {"epoch": 1, "index": 3}
     run.carry.groups = []
     run.alarms.raised.add("entropy_collapse")
@@ -73,10 +73,10 @@ def test_the_parts_round_trip_and_the_pipeline_saves_first(checkpoint, partial):
     assert list(checkpoint["trainer"])[0] == "pending"
 
     back = new_run(cfg, restarts=Restarts(3))
-    back.pipeline = Pipeline()
+    back.schedule = Pipeline()
     back.resume("ckpt")
     assert (back.start_step, back.samples_generated, back.prompts.value) == (6, 48, {"epoch": 1, "index": 3})
-    assert (back.pipeline.pending, back.pipeline.version) == ({"step": 7}, 6)
+    assert (back.schedule.pending, back.schedule.version) == ({"step": 7}, 6)
     assert back.restarts.state_dict() == {"engine_restarts": 2, "resubmitted_groups": 5}
     assert back.alarms.state_dict() == run.alarms.state_dict()
 
@@ -86,8 +86,8 @@ def test_an_older_checkpoint_resumes_and_a_carry_without_partial_rollout_is_drop
                                         "carry": PartialCarry().state_dict() + [{"unreadable": True}],
                                         "pending": None})  # before the restarts part existed
     back = new_run(Config(), restarts=Restarts(3))
-    back.pipeline = Pipeline(pending={"stale": True})
+    back.schedule = Pipeline(pending={"stale": True})
     back.resume("ckpt")
     assert (back.samples_generated, back.prompts.value, back.carry.groups) == (24, {"index": 1}, [])
     assert back.restarts.state_dict() == {"engine_restarts": 0, "resubmitted_groups": 0}
-    assert (back.pipeline.pending, back.pipeline.version) == (None, 3)
+    assert (back.schedule.pending, back.schedule.version) == (None, 3)

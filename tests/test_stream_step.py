@@ -1,4 +1,4 @@
-"""Dynamic sampling on the stream (rollout/step/streaming.py): stop at N, abort the rest, budgets, failures, monitors,
+"""Dynamic sampling on the stream (collect/streaming.py): stop at N, abort the rest, budgets, failures, monitors,
 determinism; the rounds path (rollout.streaming=false) is bit-for-bit the pre-streaming code; the trainer
 with streaming on (monitors, SIGKILL + resume replays exactly)."""
 
@@ -12,11 +12,11 @@ from support import TAGS, FailingEngine, kill_job_at, run_train, train_cmd
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats
 from megatron_dapo.config import AlgoConfig, ConfigError, RewardConfig, load_config, validate
 from megatron_dapo.data.arithmetic import make_arithmetic_prompts
-from megatron_dapo.rollout.step.result import StepRollout, StreamRollout
-from megatron_dapo.rollout.step.rounds import collect_rounds, surplus_tokens
-from megatron_dapo.rollout.step.scoring import rendered, score_group
-from megatron_dapo.rollout.step.seeds import seed_of
-from megatron_dapo.rollout.step.streaming import RolloutStepError, StreamPlan, stream_groups
+from megatron_dapo.collect.result import StepRollout, StreamRollout
+from megatron_dapo.collect.rounds import collect_rounds, surplus_tokens
+from megatron_dapo.collect.scoring import rendered, score_group
+from megatron_dapo.collect.seeds import seed_of
+from megatron_dapo.collect.streaming import RolloutStepError, StreamPlan, stream_groups
 from megatron_dapo.metrics import read_scalars
 from megatron_dapo.reward.scorer import Scorer
 from megatron_dapo.rollout import EmbeddedEngine, SamplingParams

@@ -10,8 +10,8 @@ Every step needs N informative groups of G samples. Workloads (the lengths measu
   --eos-scale: lengths depend on prompt and sample, a few responses run to the limit.
 Prompt i has a difficulty p_i in {0.03, 0.5, 0.97}; a sample is "correct" when a hash of (prompt, response)
 falls below p_i: informativeness does not depend on length (kept fraction ~0.47). Each step, every mode gets
-the same prompts, in alternating order. "rounds" is the trainer's rounds collector (rollout/step/rounds.py: a blocking generate per round),
-"streaming" its stream collector (rollout/step/streaming.py), "partial" that with partial rollout.
+the same prompts, in alternating order. "rounds" is the trainer's rounds collector (collect/rounds.py: a blocking generate per round),
+"streaming" its stream collector (collect/streaming.py), "partial" that with partial rollout.
 wall_s: the steps' rollout time; wasted_tokens: surplus groups trimmed (rounds) or aborted groups' tokens;
 kept_response_len / kept_truncated_frac: how far streaming favours groups that finish early; prefill_tokens:
 positions prefilled (embedded: padding included; SGLang: its #new-token; partial rollout prefills each
@@ -37,10 +37,10 @@ import torch
 from megatron_dapo.benchmark import ForwardCounter
 from megatron_dapo.config import AlgoConfig, RolloutConfig, SGLangConfig
 from megatron_dapo.rollout.base import RolloutEngine, SamplingParams
-from megatron_dapo.rollout.step.carry import PartialCarry
-from megatron_dapo.rollout.step.rounds import collect_rounds
-from megatron_dapo.rollout.step.seeds import seed_of
-from megatron_dapo.rollout.step.streaming import StreamPlan, collect_stream
+from megatron_dapo.collect.carry import PartialCarry
+from megatron_dapo.collect.rounds import collect_rounds
+from megatron_dapo.collect.seeds import seed_of
+from megatron_dapo.collect.streaming import StreamPlan, collect_stream
 from megatron_dapo.tiny import tiny_model
 from megatron_dapo.types import Group, Prompt
 

@@ -18,7 +18,7 @@ Typical use, one sampler per training step::
     if not groups:
         ...  # skip the step (train_partial with no informative group at all)
 
-Both collectors use it (rollout/step/rounds.py by rounds; rollout/step/streaming.py group by group with
+Both collectors use it (collect/rounds.py by rounds; collect/streaming.py group by group with
 `offer` and `inflight`): what is kept, how much more to generate, and the verdict when the budget runs out
 are decided here only.
 """

@@ -139,11 +139,11 @@ class RolloutConfig:
         """The bucket size this config's weight transport uses, in MiB."""
         return self.weight_sync_bucket_mb or DEFAULT_BUCKET_MB[self.sglang.weight_sync]
     streaming: bool = True
-    """Streaming rollout (rollout/step/streaming.py): groups are scored as each finishes, the stream is kept topped
+    """Streaming rollout (collect/streaming.py): groups are scored as each finishes, the stream is kept topped
     up (algo.gen_batch_multiplier x missing / kept fraction in flight), and the step stops at N informative
     groups, aborting the rest. It keeps the groups that finish first, so its responses run shorter than
     the rounds' when lengths have a long tail (partial_rollout continues the aborted ones instead).
-    false = the paper's Algorithm 1 exactly: synchronous rounds (rollout/step/rounds.py)."""
+    false = the paper's Algorithm 1 exactly: synchronous rounds (collect/rounds.py)."""
     max_inflight_groups: int = knob(0, "[0, inf)", "0 = automatic")
     """Streaming: at most this many groups submitted and unfinished (0 = 2 x ceil(N x gen_batch_multiplier))."""
     partial_rollout: bool = False
@@ -155,7 +155,7 @@ class RolloutConfig:
     most this many policy updates stale; one still unfinished after that is dropped when the step aborts
     it (rollout/dropped_stale_groups; its tokens count as wasted). 0 = no bound."""
     async_steps: int = knob(0, "[0, 8]", "0 = synchronous")
-    """Off-policy pipelining (rollout/step/pipeline.py; the engine on its own devices, colocate=false): the engine
+    """Off-policy pipelining (schedule/pipeline.py; the engine on its own devices, colocate=false): the engine
     runs up to k batches ahead, batch b from the weights after step b-1-k, so a trained group is k versions old
     (rollout/staleness_*; older ones, partial rollout's carried groups, are dropped and counted). π_old is the
     actor's recompute; algo.rollout_correction=auto weighs the gap with token_tis. 0 = Algorithm 1."""
@@ -163,6 +163,12 @@ class RolloutConfig:
     """batch: new weights reach the engine between batches; stream: fully async, mid-batch (pipeline.py)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)  # multi-turn tool rollouts (config/tools.py)
+
+    @property
+    def lagged(self) -> bool:
+        """A step's weights reach the engine later, as a host snapshot the producer hands over (async_steps >= 2,
+        or any async_steps with async_mode=stream), not synced at the step's end (schedule/schedule.py)."""
+        return self.async_steps >= 2 or (self.async_steps > 0 and self.async_mode == "stream")
 
 
 @dataclass(kw_only=True)

@@ -128,8 +128,7 @@ def _lagged_problems(cfg: Config, world_size: int) -> list[str]:
     """async_steps >= 2 hands each step's weights to the engine later, from the producer thread of the one
     rank that feeds it: the embedded engine (the driver's), or SGLang servers fed by a one-rank job."""
     r = cfg.rollout
-    lagged = r.async_steps >= 2 or (r.async_steps and r.async_mode == "stream")
-    if not lagged or r.engine != "sglang" or world_size == 1:
+    if not r.lagged or r.engine != "sglang" or world_size == 1:
         return []
     return [(f"rollout.async_steps={r.async_steps} async_mode={r.async_mode} with SGLang needs a one-rank job (every "
              f"rank of {world_size} takes part in updating the servers, at the batch boundary only): use "

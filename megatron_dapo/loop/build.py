@@ -30,10 +30,13 @@ from megatron_dapo.loop.prompts import load_train_prompts, load_val_prompts
 from megatron_dapo.loop.report import StartupReport, system_prompt_note
 from megatron_dapo.loop.state import RunState
 from megatron_dapo.loop.weight_probe import WeightProbe
-from megatron_dapo.metrics import Alarms, MetricsWriter
+from megatron_dapo.metrics import Alarms, MetricsWriter, PhaseTimer
 from megatron_dapo.reward import RewardLoadError, Scorer
+from megatron_dapo.collect import Collector, GroupScorer, PromptSource
+from megatron_dapo.collect.carry import PartialCarry
+from megatron_dapo.collect.seeds import eos_ids
 from megatron_dapo.rollout.base import RolloutEngine
-from megatron_dapo.rollout.step.pipeline import RolloutPipeline
+from megatron_dapo.schedule import Schedule
 from megatron_dapo.metrics.wandb_mirror import import_wandb
 
 log = logging.getLogger(__name__)
@@ -121,20 +124,25 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
                                      engine_on_actor_weights=engines.on_actor_weights, dtype=param_dtype(cfg.model),
                                      routing_replay=cfg.actor.routing_replay)
     report.old_logprobs = old.line()
+    phases = Phases(actor, engines.engine, cfg.rollout.colocate, cfg.actor.offload_when_idle,
+                    probe=WeightProbe.for_actor(actor.spec.vocab_size, param_dtype(cfg.model))
+                    if cfg.rollout.weight_sync_probe else None, weights=engines.weights)
+    prompts = _train_iterator(cfg, tokenizer, fmt, report) if driver else None
+    carry, timer = PartialCarry(), PhaseTimer()
+    collector = None
+    if prompts is not None and engines.engine is not None:  # the driver collects
+        collector = Collector(cfg, engines.engine, PromptSource(prompts, tokenizer), GroupScorer(tokenizer, scorer),
+                              carry, eos_ids(tokenizer))
+    schedule = Schedule(cfg.rollout, cfg.train.steps, phases, collector, timer, actor, f"model.hf_dir={hf_dir}",
+                        threads=engines.threads)
     return RunState(
-        cfg=cfg, actor=actor, tokenizer=tokenizer, engine=engines.engine,
-        phases=Phases(actor, engines.engine, cfg.rollout.colocate, cfg.actor.offload_when_idle,
-                      probe=WeightProbe.for_actor(actor.spec.vocab_size, param_dtype(cfg.model))
-                      if cfg.rollout.weight_sync_probe else None,
-                      weights=engines.weights),
-        prompts=_train_iterator(cfg, tokenizer, fmt, report) if driver else None,
+        cfg=cfg, actor=actor, tokenizer=tokenizer, engine=engines.engine, phases=phases, prompts=prompts,
         val_prompts=load_val_prompts(cfg, tokenizer, fmt, report) if driver else [],
         writer=MetricsWriter(Path(cfg.logging.tensorboard_dir) / cfg.logging.run_name, enabled=driver,
                              wandb=cfg.logging.wandb, run_config=to_dict(cfg)),
         alarms=Alarms(cfg.logging, cfg.rollout.max_response_len),
-        ckpt_root=folder, hf_dir=hf_dir, scorer=scorer, old_logprobs=old,
-        servers=engines.servers,
-        lock=lock, pipeline=_pipeline(cfg, engines.threads) if driver else None, restarts=restarts)
+        ckpt_root=folder, hf_dir=hf_dir, scorer=scorer, old_logprobs=old, schedule=schedule, carry=carry,
+        timer=timer, servers=engines.servers, lock=lock, restarts=restarts)
 
 
 def _with_tools(engine: RolloutEngine, cfg: Config, tokenizer: Any, report: StartupReport) -> RolloutEngine:
@@ -152,11 +160,6 @@ def _with_tools(engine: RolloutEngine, cfg: Config, tokenizer: Any, report: Star
     where = "this process" if tools.name != "python" else tools.sandbox_url or "the local bubblewrap sandbox"
     report.engine += f"; multi-turn with tool {tools.name} ({where}, at most {tools.max_calls} calls a sample)"
     return wrapped
-
-
-def _pipeline(cfg: Config, threads: int | None) -> RolloutPipeline | None:
-    r = cfg.rollout
-    return RolloutPipeline(threads, r.async_steps, stream=r.async_mode == "stream") if r.async_steps else None
 
 
 def _train_iterator(cfg: Config, tokenizer: Any, fmt: PromptFormat, report: StartupReport) -> PromptIterator:

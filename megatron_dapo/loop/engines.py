@@ -19,7 +19,7 @@ from megatron_dapo.config import Config, ModelConfig
 from megatron_dapo.loop.report import StartupReport
 from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.rollout.restarts import Restarts
-from megatron_dapo.rollout.step.pipeline import engine_threads
+from megatron_dapo.schedule.pipeline import engine_threads
 
 
 @dataclass

@@ -27,8 +27,8 @@ from megatron_dapo.config import Config
 from megatron_dapo.data.render import render_prompt_ids
 from megatron_dapo.reward.scorer import Scorer
 from megatron_dapo.rollout.base import GroupRequest, RolloutEngine, SamplingParams
-from megatron_dapo.rollout.step.scoring import score_group
-from megatron_dapo.rollout.step.seeds import sampling_params
+from megatron_dapo.collect.scoring import score_group
+from megatron_dapo.collect.seeds import sampling_params
 from megatron_dapo.types import Group, Prompt, Sample
 
 

@@ -1,4 +1,4 @@
-"""The step's training monitors (the paper's §4.3 dashboard); the rollout's are its own (rollout/step/result.py)."""
+"""The step's training monitors (the paper's §4.3 dashboard); the rollout's are its own (collect/result.py)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from megatron_dapo.loop.weight_probe import WeightProbe, WeightSyncError
 from megatron_dapo.loop.weight_sync import SyncStats, sync_weights
 from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.rollout.sglang.updates import NodeWeightSync
-from megatron_dapo.rollout.step.pipeline import WeightSnapshot
+from megatron_dapo.schedule.pipeline import WeightSnapshot
 
 
 @dataclass

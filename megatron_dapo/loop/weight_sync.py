@@ -25,7 +25,7 @@ from megatron_dapo.actor.model import ModelSpec
 from megatron_dapo.loop.weight_probe import WeightSyncError
 from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.rollout.sglang.updates import NodeWeightSync
-from megatron_dapo.rollout.step.pipeline import WeightSnapshot
+from megatron_dapo.schedule.pipeline import WeightSnapshot
 
 
 @dataclass

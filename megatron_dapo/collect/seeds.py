@@ -20,6 +20,12 @@ def seed_of(*parts: Any) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
 
 
+def eos_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The tokenizer's end of sequence, as a generation's stop tokens."""
+    eos = tokenizer.eos_token_id
+    return () if eos is None else (int(eos),)
+
+
 def sampling_params(cfg: Config, eos_ids: tuple[int, ...], split: Literal["train", "eval"],
                     *key: Any) -> SamplingParams:
     """The rollout's (train) or the evaluation's (eval) temperature / top-p, the response budget, the

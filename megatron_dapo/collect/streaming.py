@@ -55,10 +55,10 @@ from megatron_dapo.rollout.base import (
     RolloutStream,
     SamplingParams,
 )
-from megatron_dapo.rollout.step.carry import PartialCarry
-from megatron_dapo.rollout.step.result import StreamRollout
-from megatron_dapo.rollout.step.scoring import RenderedPrompt
-from megatron_dapo.rollout.step.versions import stamp
+from megatron_dapo.collect.carry import PartialCarry
+from megatron_dapo.collect.result import StreamRollout
+from megatron_dapo.collect.scoring import RenderedPrompt
+from megatron_dapo.collect.versions import stamp
 from megatron_dapo.types import Group, Prompt
 
 
@@ -105,7 +105,7 @@ class StreamPlan:
 
 
 class LiveWeights(Protocol):
-    """Weights that may change mid-batch (rollout/step/pipeline.py): the engine's `version`, whether newer
+    """Weights that may change mid-batch (schedule/pipeline.py): the engine's `version`, whether newer
     ones were published, `refresh` (the engine takes them; nothing may be in flight); `waiting(stream)`
     wraps each `next()`, during which the publisher may abort the stream (`interruption` takes its report)."""
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megatron_dapo.algo.dynamic_sampling import DynamicSamplingStats
-from megatron_dapo.rollout.step.carry import PartialCarry
+from megatron_dapo.collect.carry import PartialCarry
 from megatron_dapo.rollout.tools.monitors import tool_scalars
 from megatron_dapo.types import Group
 

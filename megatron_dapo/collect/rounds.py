@@ -11,9 +11,9 @@ from collections.abc import Callable
 from megatron_dapo.algo.dynamic_sampling import DynamicSampler, is_informative
 from megatron_dapo.config import AlgoConfig
 from megatron_dapo.rollout.base import RolloutEngine, SamplingParams
-from megatron_dapo.rollout.step.result import StepRollout
-from megatron_dapo.rollout.step.scoring import RenderedPrompt
-from megatron_dapo.rollout.step.versions import stamp
+from megatron_dapo.collect.result import StepRollout
+from megatron_dapo.collect.scoring import RenderedPrompt
+from megatron_dapo.collect.versions import stamp
 from megatron_dapo.types import Group
 
 

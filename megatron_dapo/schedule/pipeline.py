@@ -12,7 +12,7 @@ hands them to the engine before the batch that needs them; it holds up to k snap
 Fully async (`rollout.async_mode=stream`, `stream=True`): every step's weights are published as a snapshot,
 and the producer hands the newest to the engine before a batch and again mid-batch: `publish` aborts the
 group stream if it is waiting for a group (`waiting`; the engine stops at its next decode step), and the
-stream resumes its groups on the new weights (`interruption`, `fresher`, `refresh`; rollout/step/streaming.py),
+stream resumes its groups on the new weights (`interruption`, `fresher`, `refresh`; collect/streaming.py),
 so batch b's tokens are from the weights after step b-1-k or newer: still at most k versions old.
 A checkpoint at step s holds batches s+1 .. s+k, generated and not yet trained on (`state_dict` waits for
 them), so the resumed run trains on the very same batches and generates batch s+k+1 from the checkpoint's
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_dapo.rollout.base import AbortReport, RolloutStream
-from megatron_dapo.rollout.step.result import StepRollout, load_rollout, rollout_state
+from megatron_dapo.collect.result import StepRollout, load_rollout, rollout_state
 
 
 def engine_threads(total: int | None = None) -> int:
@@ -70,16 +70,17 @@ class RolloutPipeline:
     hands the engine the weights each batch is due (`publish`, `apply_weights`), and measures how the two
     sides overlapped within each step (`step_scalars`)."""
 
-    def __init__(self, threads: int | None = None, depth: int = 1, version: int = 0, stream: bool = False) -> None:
+    def __init__(self, threads: int | None = None, depth: int = 1, version: int = 0, stream: bool = False, *,
+                 produce: Callable[[int], StepRollout] | None = None,
+                 apply_weights: Callable[[WeightSnapshot], None] | None = None) -> None:
         """`threads`: the producer thread's torch threads; None = half of this process's, the actor (this
         thread) keeping the rest. `depth`: rollout.async_steps. `version`: the engine's weights (the step
-        they are from) when the run starts. `stream`: rollout.async_mode=stream (module docstring)."""
+        they are from) when the run starts. `stream`: rollout.async_mode=stream (module docstring).
+        `produce`: step -> that step's rollout on the engine's current weights (`version`); `apply_weights`:
+        the engine takes a snapshot's weights (depth >= 2); both run on the producer thread."""
         if depth < 1:
             raise ValueError(f"depth={depth}: the pipeline runs at least one batch ahead")
-        self.produce: Callable[[int], StepRollout] | None = None
-        """step -> that step's rollout on the engine's current weights (`version`; set by the training loop)."""
-        self.apply_weights: Callable[[WeightSnapshot], None] | None = None
-        """The producer: the engine takes a snapshot's weights (depth >= 2; set by the training loop)."""
+        self.produce, self.apply_weights = produce, apply_weights
         if threads is None:
             total = torch.get_num_threads()
             threads = engine_threads(total)
