@@ -42,9 +42,10 @@ class Pipeline:
 def new_run(cfg: Config, **kw) -> Any:
     """A RunState of stand-ins (Any: they are not the real parts' types)."""
     stub: Any = SimpleNamespace(train=lambda: None, load_history=lambda step: None)
+    kw.setdefault("schedule", Pipeline())
     return run_state.RunState(cfg=cfg, actor=None, tokenizer=None, engine=None, phases=stub, prompts=Part(),  # type: ignore[arg-type]
                               val_prompts=[], writer=stub, alarms=Alarms(cfg.logging, 16), ckpt_root=None,
-                              hf_dir="", scorer=None, old_logprobs=None, schedule=Pipeline(), **kw)
+                              hf_dir="", scorer=None, old_logprobs=None, **kw)
 
 
 @pytest.fixture

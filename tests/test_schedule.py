@@ -53,7 +53,7 @@ def schedule_of(k: int, mode: str = "batch", steps: int = 6):
         return StepRollout([Group(prompt(str(step)), [sample(version)])],
                            DynamicSamplingStats(1, 1, 1, 1.0, False), [])
 
-    cfg = RolloutConfig(async_steps=k, async_mode=mode, colocate=k == 0)
+    cfg = RolloutConfig(async_steps=k, async_mode="stream" if mode == "stream" else "batch", colocate=k == 0)
     schedule = Schedule(cfg, steps, weights, collect, PhaseTimer(), SimpleNamespace(last_update=None),  # type: ignore[arg-type]
                         "model.hf_dir=x", threads=1)
     return schedule, weights, made
