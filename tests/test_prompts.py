@@ -51,10 +51,22 @@ def test_the_dapo_instruction_is_the_papers_word_for_word():
     ("dapo_math", PAPER_INSTRUCTION.format(problem=PROBLEM)),  # the same text, rebuilt from the problem
     ("raw", PROBLEM),
     ("gsm8k", PROBLEM + " Let's think step by step and output the final answer after \"####\"."),
+    ("dapo_math_tool", PAPER_INSTRUCTION.format(problem=PROBLEM).replace(
+        "step by step. ", "step by step. You may run Python to compute: write the code in a ```python block; what it "
+        "prints comes back in an ```output block right after it. ")),
 ])
 def test_builtin_templates_on_dapo_rows(tmp_path, template, expected):
     (prompt,) = load_prompts(dapo_rows(tmp_path), prompt_format=PromptFormat(template)).prompts
     assert prompt.messages == (user(expected),) and prompt.ground_truth == "10"
+
+
+def test_the_tool_template_goes_with_the_tool_and_its_fences():
+    load_config(None, ["data.prompt_template=dapo_math_tool", "rollout.tools.name=python", "rollout.streaming=false"])
+    with pytest.raises(ConfigError, match="dapo_math_tool tells the model it may run Python, but rollout.tools"):
+        load_config(None, ["data.prompt_template=dapo_math_tool"])
+    with pytest.raises(ConfigError, match="dapo_math_tool names the default fences"):
+        load_config(None, ["data.prompt_template=dapo_math_tool", "rollout.tools.name=python",
+                           "rollout.streaming=false", "rollout.tools.code_open=<code>"])
 
 
 def test_gsm8k_rows_get_the_dapo_instruction_by_default(tmp_path):

@@ -1,5 +1,5 @@
 """Training runs on real SGLang servers on CPU (`-m sglang`): an async trainer with a server of its own,
-torchrun with the distributed weight transport, three nodes each starting one, and two servers, one of them
+torchrun with the distributed weight transport and multi-turn tool rollouts, three nodes each starting one, and two servers, one of them
 killed mid-rollout and restarted while the run goes on (issue 38). Split from test_rollout_sglang_servers.py
 so that the two long files run on two workers."""
 
@@ -48,29 +48,42 @@ def test_async_trainer_generates_the_next_batch_on_a_server_of_its_own(sglang_py
 
 @pytest.mark.sglang
 @SGLANG_TIMEOUT
-def test_torchrun_trainer_with_the_distributed_weight_transport(sglang_python, base_dir, tmp_path, python_env):
+def test_torchrun_trainer_with_the_distributed_weight_transport_and_tool_calls(sglang_python, base_dir, tmp_path,
+                                                                               python_env):
     """Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True, RANK / MASTER_PORT of the trainer set) the server
     starts in a clean environment and answers /health, and the weight group serves its own store: both
-    steps sync over the broadcast group (servers on their own devices), and step 2's rollout logprobs equal
-    the actor's."""
+    steps sync over the broadcast group (servers on their own devices). The rollouts are multi-turn (issue 37: a
+    user tool, tests/workers/echo_tool.py; the tiny base's chance fences as in test_tools_train): the server
+    continues every row from its token ids, so step 2's rollout logprobs equal the actor's on every sampled token
+    of the multi-turn rows (a continuation conditioned on other ids, or an observation in the loss, breaks it)."""
+    import json
     import subprocess
     import sys
 
     from megatron_dapo.metrics import read_scalars
     from megatron_dapo.parallel import free_port as free_master_port
 
+    tools = ["rollout.streaming=false", "rollout.tools.name=echo_tool:run", "rollout.tools.code_open=Answer: ",
+             "rollout.tools.code_close=2", "rollout.tools.max_output_tokens=4", "algo.void_turn_filter=true",
+             "logging.samples_every=1"]
     cmd = _trainer_cmd(base_dir, tmp_path, "torchrun", f"rollout.sglang.base_port={server_ports()}",
                        "rollout.sglang.weight_sync=distributed", "rollout.colocate=false",
-                       "eval.every_steps=0")
+                       "eval.every_steps=0", *tools)
     assert cmd[1:3] == ["-m", "megatron_dapo.train"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
            str(free_master_port()), "-m", "megatron_dapo.train", *cmd[3:]]
-    env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python}
+    workers = os.path.join(os.path.dirname(__file__), "workers")
+    env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python,
+           "PYTHONPATH": f"{workers}{os.pathsep}{python_env['PYTHONPATH']}"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     assert r.returncode == 0, r.stderr[-6000:]
     tb = read_scalars(tmp_path / "tb" / "torchrun")
     assert set(tb["perf/weight_sync_bytes"]) == {1, 2} and min(tb["perf/weight_sync_bytes"].values()) > 0
+    assert sum(tb["tool/calls_per_sample"].values()) > 0 and max(tb["rollout/observation_token_frac"].values()) > 0
     assert tb["rollout/train_rollout_logprob_absdiff"][2] < 1e-4
+    rows = [json.loads(line) for f in (tmp_path / "tb" / "torchrun" / "samples").glob("*.jsonl")
+            for line in f.read_text().splitlines()]
+    assert any("```output" in row["response"] for row in rows), rows[:2]
 
 
 @pytest.mark.sglang

@@ -144,10 +144,20 @@ def test_seeded_calls_repeat_and_the_stream_serves_groups():
                                                        engine.generate([ids("Q:")], 2, SamplingParams(seed=1))[0]]
 
 
+def test_the_wrapped_engine_restarts_what_it_lost():
+    """The loop revives a lost server or engine process at each phase change (loop/phases.py asks the engine it
+    holds): through a ToolEngine too, and a wrapped engine that restarts nothing is left alone."""
+    revived = []
+    policy = ScriptedPolicy({"Q:": [TURN0, TURN1]})
+    policy.revive = lambda: revived.append(True)  # type: ignore[attr-defined]
+    ToolEngine(policy, CFG, TOK, echo_tool, eos_ids=[EOS]).revive()
+    tool_engine({"Q:": [TURN0, TURN1]}).revive()
+    assert revived == [True]
+
+
 def test_config_refuses_what_multi_turn_samples_cannot_use():
     load_config(None, ["rollout.tools.name=python", "rollout.streaming=false", "algo.void_turn_filter=true"])
     for extra, named in ((["rollout.streaming=true"], "rollout.streaming=true"),
-                         (["rollout.engine=sglang"], "rollout.engine=sglang"),
                          (["rollout.async_steps=1", "rollout.colocate=false"], "rollout.async_steps=1"),
                          (["algo.rollout_correction=token_tis"], "algo.rollout_correction=token_tis")):
         with pytest.raises(ConfigError, match=f"does not support {named}"):

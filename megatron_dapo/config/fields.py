@@ -16,7 +16,7 @@ POLICY_LOSSES = ("dapo", "gspo", "cispo", "dr_grpo")
 """The built-in policy losses (algo/policy_losses.py registers them, in this order)."""
 REWARDS = ("math_dapo", "math_verify")
 """The built-in verifiers (reward/verifiers.py)."""
-PROMPT_TEMPLATES = ("auto", "dapo_math", "gsm8k", "raw")
+PROMPT_TEMPLATES = ("auto", "dapo_math", "dapo_math_tool", "gsm8k", "raw")
 """data.prompt_template's built-in names (data/templates.py holds the templates)."""
 
 

@@ -266,7 +266,8 @@ class DataConfig:
     prompt_template: str = "auto"
     """How a row becomes the user message (data/templates.py): auto = each dataset's own form
     (DAPO-Math-17K rows as stored, with the DAPO instruction; GSM8K with that instruction; arithmetic
-    bare); dapo_math = the DAPO-Math-17K instruction around the question; gsm8k = the question + "output
+    bare); dapo_math = the DAPO-Math-17K instruction around the question; dapo_math_tool = the same, saying the
+    model may run Python (rollout.tools with its default fences); gsm8k = the question + "output
     the final answer after ####" (needs reward.answer_fallback=boxed); raw = the question alone; or a
     file: Jinja (*.jinja, *.j2) or a Python format string, with {question} and {data_source}."""
     system_prompt: str | None = None

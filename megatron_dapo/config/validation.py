@@ -6,7 +6,7 @@ import os
 
 from megatron_dapo.config.model_checks import model_problems
 from megatron_dapo.config.ranges import range_problems
-from megatron_dapo.config.tools import tools_problems
+from megatron_dapo.config.tools import ToolsConfig, tools_problems
 from megatron_dapo.config.schema import (
     POLICY_LOSSES,
     PROMPT_TEMPLATES,
@@ -69,12 +69,18 @@ def _problems(cfg: Config) -> list[str]:
 def _tools_problems(cfg: Config) -> list[str]:
     """rollout.tools, and the features a multi-turn sample cannot go through yet, refused by name."""
     tools, r = cfg.rollout.tools, cfg.rollout
+    says_tools = cfg.data.prompt_template == "dapo_math_tool"
     if not tools.enabled:
-        return ["algo.void_turn_filter needs rollout.tools (a single-turn sample has no turns)"] \
-            if cfg.algo.void_turn_filter else []
+        return (["algo.void_turn_filter needs rollout.tools (a single-turn sample has no turns)"]
+                if cfg.algo.void_turn_filter else []) + \
+            (["data.prompt_template=dapo_math_tool tells the model it may run Python, but rollout.tools.name=none: "
+              "set rollout.tools.name=python (or use data.prompt_template=dapo_math)"] if says_tools else [])
     p = tools_problems(tools)
-    refused = [(r.engine == "sglang", "rollout.engine=sglang (use the embedded engine)"),
-               (r.streaming, "rollout.streaming=true (set rollout.streaming=false: synchronous rounds)"),
+    default = ToolsConfig()
+    if says_tools and (tools.code_open, tools.output_open) != (default.code_open, default.output_open):
+        p.append("data.prompt_template=dapo_math_tool names the default fences (```python, ```output): keep "
+                 "rollout.tools.code_open / output_open, or give your fences in a template file")
+    refused = [(r.streaming, "rollout.streaming=true (set rollout.streaming=false: synchronous rounds)"),
                (r.partial_rollout, "rollout.partial_rollout"),
                (r.async_steps > 0, f"rollout.async_steps={r.async_steps} (the off-policy pipelines)"),
                (cfg.rollout_correction() != "none", f"algo.rollout_correction={cfg.rollout_correction()}")]

@@ -5,6 +5,8 @@
     carry the DAPO instruction); GSM8K questions get that same instruction; the arithmetic task is the
     bare "37+45=" (or its instruct style, see arithmetic.py).
   - `dapo_math`: the DAPO-Math-17K instruction around the problem (`DAPO_MATH_TEMPLATE`).
+  - `dapo_math_tool`: the same, telling the model it may run Python in a ```python block and read its
+    output in an ```output block (rollout.tools with its default fences; `DAPO_MATH_TOOL_TEMPLATE`).
   - `gsm8k`: the usual GSM8K suffix asking for the answer after "####" (read by the reward only
     with `reward.answer_fallback=boxed`).
   - `raw`: the question alone (base models, with few-shot examples and `model.chat_template=none`).
@@ -36,8 +38,18 @@ DAPO_MATH_TEMPLATE = (
     'Remember to put your answer on its own line after "Answer:".'
 )
 """The instruction of every DAPO-Math-17K prompt, around the problem."""
+DAPO_MATH_TOOL_TEMPLATE = (
+    "Solve the following math problem step by step. You may run Python to compute: write the code in a "
+    "```python block; what it prints comes back in an ```output block right after it. The last line of your "
+    "response should be of the form Answer: $Answer (without quotes) where $Answer is the answer to the "
+    "problem.\n\n"
+    "{question}\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
+"""DAPO's instruction for tool-integrated reasoning (rollout.tools.name=python with its default fences)."""
 GSM8K_HASH_TEMPLATE = "{question} Let's think step by step and output the final answer after \"####\"."
-BUILTIN_TEMPLATES = {"dapo_math": DAPO_MATH_TEMPLATE, "gsm8k": GSM8K_HASH_TEMPLATE, "raw": "{question}"}
+BUILTIN_TEMPLATES = {"dapo_math": DAPO_MATH_TEMPLATE, "dapo_math_tool": DAPO_MATH_TOOL_TEMPLATE,
+                     "gsm8k": GSM8K_HASH_TEMPLATE, "raw": "{question}"}
 TEMPLATE_NAMES = PROMPT_TEMPLATES
 _PREFIX, _SUFFIX = DAPO_MATH_TEMPLATE.split("{question}")
 

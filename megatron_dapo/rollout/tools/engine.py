@@ -4,7 +4,8 @@ A call samples every row until it closes a code block, EOS, or the budget; the b
 one run together (the tool is asynchronous: the sandbox pool runs them in parallel); each observation is
 appended as token ids, and the rows still open continue in one batched `generate` from their ids, up to
 `max_calls` calls each. Round r > 0 of a seeded call samples with seed + r * SEED_STRIDE, so a call is
-reproducible. Weights, memory and liveness are the wrapped engine's.
+reproducible. Weights, memory, liveness and restarts are the wrapped engine's: an SGLang engine group continues
+each row from its token ids (`/generate` with `input_ids`), as the embedded engines do.
 """
 
 from __future__ import annotations
@@ -89,6 +90,13 @@ class ToolEngine(RolloutEngine):
 
     def health(self) -> bool:
         return self.inner.health()
+
+    def revive(self) -> None:
+        """Restart what the wrapped engine lost between rollouts (an SGLang group's server, the process engine's
+        child), if it restarts engines: the loop calls this at each phase change."""
+        revive = getattr(self.inner, "revive", None)
+        if revive is not None:
+            revive()
 
     def shutdown(self) -> None:
         try:
