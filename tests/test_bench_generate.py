@@ -1,5 +1,6 @@
 """tools/bench_generate.py end to end on a tiny chat model (seconds): the recipe's prompts rendered with the
-model's template, every response at the limit, both modes in one process; its figures agree with one another and with hand
+model's template, every response at the limit, both modes, before (top-p by a full sort) and after, in one
+process; its figures agree with one another and with hand
 arithmetic (timings are not checked, only that the profile saw each part)."""
 
 import json
@@ -25,12 +26,12 @@ def model(tmp_path_factory) -> Path:
 def test_the_json_adds_up(model):
     cmd = [sys.executable, str(REPO / "tools" / "bench_generate.py"), "--hf-dir", str(model), "--json",
            "--prompts", str(PROMPTS), "--n", str(N), "--new-tokens", str(NEW), "--threads", "1", "--repeats", "1",
-           "--modes", "stream", "generate"]
+           "--modes", "stream", "generate", "--compare", "--top-p", "0.9"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
     outs = [json.loads(line) for line in r.stdout.strip().splitlines()]
-    assert [o["mode"] for o in outs] == ["stream", "generate"]
+    assert [o["mode"] for o in outs] == ["stream_before", "generate_before", "stream_after", "generate_after"]
     cfg = json.loads((model / "config.json").read_text())
     h, i, v, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]

@@ -84,6 +84,34 @@ def test_counter_uniforms_are_pure_and_uniform():
     assert abs(torch.corrcoef(torch.stack([lag[:-1], lag[1:]]))[0, 1]) < 0.03
 
 
+@pytest.mark.parametrize("top_p", [1e-6, 0.3, 0.7, 0.95, 0.999999])
+def test_the_nucleus_is_transformers_top_p_set(top_p):
+    """sampling.nucleus (a top-k search) keeps TopPLogitsWarper's tokens (a full sort): rows from nearly uniform to
+    peaked over a 49k vocabulary, where the set needs the first 64 candidates, more, or all. Against a float64
+    oracle of the rule and against the warper, a token may differ only where its mass (it and every less probable
+    token) is within float32 rounding of 1 - top_p."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from megatron_dapo.rollout.embedded.sampling import nucleus
+
+    g = torch.Generator().manual_seed(0)
+    scale = torch.tensor([0.05, 0.5, 2.0, 5.0, 12.0]).repeat_interleave(4)[:, None]
+    quantiles = torch.special.ndtri((torch.arange(49152) + 0.5) / 49152)  # distinct: no tie decides the set
+    logits = quantiles[torch.stack([torch.randperm(49152, generator=g) for _ in range(20)])] * scale
+    kept = nucleus(logits.softmax(-1), top_p)
+    exact = logits.double().softmax(-1)
+    order = exact.argsort(-1)  # ascending
+    mass = torch.empty_like(exact).scatter_(1, order, exact.gather(1, order).cumsum(-1))
+    oracle = mass > 1 - top_p
+    oracle[torch.arange(20), exact.argmax(-1)] = True
+    near = (mass - (1 - top_p)).abs() <= 1e-6 * (1 - top_p) + 1e-9
+    warper = torch.isfinite(TopPLogitsWarper(top_p)(None, logits))
+    for other in (oracle, warper):
+        assert not ((kept != other) & ~near).any(), ((kept != other) & ~near).sum(-1)
+    assert torch.equal(kept.sum(-1)[:12], oracle.sum(-1)[:12]) or top_p == 0.999999  # most rows: the very set
+    assert kept.any(-1).all() and int(near.sum()) <= 40
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["slot_decoder", "wave_decoder"])
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8), (0.0, 1.0)])
 def test_stream_samples_are_exact(model, fast, temperature, top_p):

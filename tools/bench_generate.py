@@ -6,8 +6,10 @@ through the engine's continuous batching as the trainer and the evaluation do (`
 The bound: a matmul peak measured in this run over the model's own linear shapes at the decode batch's rows (and
 at 1024 rows), best of 5 each, divided by 2 x the matmul parameters a token (the output projection included);
 no decoder generates faster here. A profile splits the wall time into prefill, decode forwards and sampling.
+--compare first runs each mode with top-p by a full sort of the vocabulary (transformers' TopPLogitsWarper, the
+engine's sampling before issue 40), then as the engine samples now, in the same process.
 
-    python tools/bench_generate.py --hf-dir models/SmolLM2-135M-Instruct --json
+    python tools/bench_generate.py --hf-dir models/SmolLM2-135M-Instruct --modes stream generate --compare
     python tools/bench_generate.py --hf-dir models/SmolLM2-135M-Instruct --prompts 4 --n 8 --new-tokens 24
 """
 
@@ -28,7 +30,7 @@ from megatron_dapo.config import load_config
 from megatron_dapo.data import PromptFormat, load_prompts
 from megatron_dapo.data.render import render_prompt_ids
 from megatron_dapo.rollout.base import GroupRequest, SamplingParams
-from megatron_dapo.rollout.embedded import EmbeddedEngine, continuous, decoders, slots
+from megatron_dapo.rollout.embedded import EmbeddedEngine, continuous, decoders, sampling, slots
 from megatron_dapo.rollout.embedded import engine as engine_module
 
 
@@ -43,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", choices=("stream", "generate"), default=["stream"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2, help="timed runs after a warm-up; the best is reported")
+    p.add_argument("--compare", action="store_true", help="first the same with top-p by a full sort (BEFORE)")
     p.add_argument("--json", action="store_true", help="one JSON object per mode")
     return p
 
@@ -107,16 +110,27 @@ def main(argv: list[str] | None = None) -> None:
     rows = len(prompts) * args.n
     peaks = {f"peak_flop_per_s_{n}_rows": peak_flop_per_s(shape, n, args.threads) for n in (rows, 1024)}
     bound = peaks[f"peak_flop_per_s_{rows}_rows"] / (2.0 * matmul_params(shape))
-    for mode in args.modes:
-        run_once(engine, prompts[:2], args, mode, seed=0)  # warm-up
-        best, tokens, parts = float("inf"), 0, {}
-        for r in range(args.repeats):
-            profile.seconds.clear()
-            t0 = time.perf_counter()
-            tokens = run_once(engine, prompts, args, mode, seed=r + 1)
-            if (wall := time.perf_counter() - t0) < best:
-                best, parts = wall, dict(profile.seconds)
-        report(args, mode, prompts, tokens, best, parts, peaks, bound)
+    now = sampling.nucleus
+    for label, top_p_set in ([("before", sorted_top_p)] if args.compare else []) + [("after", now)]:
+        sampling.nucleus = top_p_set
+        for mode in args.modes:
+            run_once(engine, prompts[:2], args, mode, seed=0)  # warm-up
+            best, tokens, parts = float("inf"), 0, {}
+            for r in range(args.repeats):
+                profile.seconds.clear()
+                t0 = time.perf_counter()
+                tokens = run_once(engine, prompts, args, mode, seed=r + 1)
+                if (wall := time.perf_counter() - t0) < best:
+                    best, parts = wall, dict(profile.seconds)
+            report(args, f"{mode}_{label}" if args.compare else mode, prompts, tokens, best, parts, peaks, bound)
+    sampling.nucleus = now
+
+
+def sorted_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The top-p set by transformers' full sort of the vocabulary (what the engine ran before)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    return torch.isfinite(TopPLogitsWarper(top_p)(None, probs.log()))
 
 
 def report(args: argparse.Namespace, mode: str, prompts: list[list[int]], tokens: int, seconds: float,

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers.generation.logits_process import TopPLogitsWarper
 
 from megatron_dapo.rollout.base import (
     AbortReport,
@@ -92,7 +91,6 @@ class EmbeddedStream(RolloutStream):
         self._done: deque[GroupResult] = deque()
         self._need = 1
         self._sampling: SamplingParams | None = None
-        self._top_p: TopPLogitsWarper | None = None
         self._stop_sets: dict[frozenset[int], int] = {}
         self._stop_table = torch.zeros(0, vocab, dtype=torch.bool, device=device)
         self._reset_rows()
@@ -189,8 +187,6 @@ class EmbeddedStream(RolloutStream):
         s = self._sampling
         if s is None:
             self._sampling = r.sampling
-            if r.sampling.top_p < 1.0 and not r.sampling.greedy:
-                self._top_p = TopPLogitsWarper(r.sampling.top_p)
         elif (s.temperature, s.top_p) != (r.sampling.temperature, r.sampling.top_p):
             raise ValueError(f"group {r.key}: temperature/top_p {r.sampling.temperature}/{r.sampling.top_p} "
                              f"differ from the stream's {s.temperature}/{s.top_p}")
@@ -203,7 +199,7 @@ class EmbeddedStream(RolloutStream):
         if self._logits is None:
             return
         uniforms = None if self._sampling.greedy else counter_uniforms(self._seed, self._count)
-        tokens, logprobs = sample_next(self._logits, self._sampling, None, self._top_p, uniforms)
+        tokens, logprobs = sample_next(self._logits, self._sampling, None, uniforms)
         for row, t, lp in zip(self._rows, tokens.tolist(), logprobs.tolist()):
             row.tokens.append(t)
             row.logprobs.append(lp)

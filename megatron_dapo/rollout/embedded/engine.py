@@ -9,8 +9,8 @@ Two decoders (decoders.py) share that loop: a fast Llama-family one over the mod
 generic transformers forward for any other causal LM.
 
 Sampling and logprob semantics are those of `base.py` (SGLang's default): the reported logprob is
-log softmax(logits / T) of the sampled token, before top-p truncation (top-p uses transformers'
-TopPLogitsWarper). Sampling draws from a per-call torch.Generator, so a seed reproduces a call
+log softmax(logits / T) of the sampled token, before top-p truncation (top-p keeps transformers'
+TopPLogitsWarper's set: sampling.py). Sampling draws from a per-call torch.Generator, so a seed reproduces a call
 exactly (for the same prompts, n and max_batch_tokens).
 
 `stream()` is the streaming rollout (continuous.py): groups join a running batch as rows finish, and
@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
-from transformers.generation.logits_process import TopPLogitsWarper
 
 from megatron_dapo.offload import HostOffload, device_bytes, own_storage
 from megatron_dapo.rollout.base import (
@@ -187,9 +186,8 @@ class EmbeddedEngine(RolloutEngine):
         stopped = torch.zeros(num_rows, dtype=torch.bool, device=self.device)
         rows = torch.arange(num_rows, device=self.device)  # output row of each batch row
         running = torch.ones(num_rows, dtype=torch.bool, device=self.device)
-        top_p = TopPLogitsWarper(sampling.top_p) if sampling.top_p < 1.0 and not sampling.greedy else None
         for t in range(max_new):
-            next_tokens, next_logprobs = sample_next(logits, sampling, generator, top_p)
+            next_tokens, next_logprobs = sample_next(logits, sampling, generator)
             tokens[rows, t], logprobs[rows, t] = next_tokens, next_logprobs
             if stop_ids.numel():
                 hit = running & torch.isin(next_tokens, stop_ids)
