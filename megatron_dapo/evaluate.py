@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_dapo.cli import UserError, quiet_third_party, run_cli
+from megatron_dapo.collect.seeds import eos_ids
 from megatron_dapo.config import Config, ConfigError, load_config
 from megatron_dapo.config.loading import read_yaml
 
@@ -247,7 +248,7 @@ def run(cfg: Config, hf_dir: Path) -> Any:
     print(f"{PROG}: chat template: {use_chat_template(tokenizer, cfg.model.chat_template)}", file=sys.stderr)
     print(f"{PROG}: {len(prompts)} prompts x {cfg.eval.n_samples} samples, responses up to "
           f"{cfg.rollout.max_response_len} tokens", file=sys.stderr)
-    eos = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
+    eos = eos_ids(tokenizer)
     t0 = time.perf_counter()
     with open_engine(cfg, hf_dir) as plain, with_tool(cfg, plain, tokenizer, eos) as engine, \
             tqdm(total=len(prompts), desc="evaluate", unit="prompt", file=sys.stderr, dynamic_ncols=True,

@@ -151,9 +151,8 @@ def _with_tools(engine: RolloutEngine, cfg: Config, tokenizer: Any, report: Star
     from megatron_dapo.sandbox import SandboxUnavailable
 
     tools = cfg.rollout.tools
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     try:
-        wrapped = with_tools(engine, tools, tokenizer, eos)
+        wrapped = with_tools(engine, tools, tokenizer, eos_ids(tokenizer))
     except (SandboxUnavailable, ToolLoadError) as e:
         engine.shutdown()
         raise SetupError(str(e)) from None

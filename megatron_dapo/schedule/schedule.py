@@ -163,7 +163,9 @@ class Schedule:
             self.pipeline.close()
 
     def _produce(self, step: int) -> StepRollout:
-        return self._collect(step, self.pipeline.version if self.pipeline is not None else self.weights.step)
+        """The producer thread's batch `step`, on the engine's weights as the pipeline tracks them."""
+        assert self.pipeline is not None
+        return self._collect(step, self.pipeline.version)
 
     def _collect(self, step: int, version: int) -> StepRollout:
         assert self.collect is not None, "only the driver collects"
