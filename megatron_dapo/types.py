@@ -29,6 +29,11 @@ class Prompt:
         return cls(**{**d, "messages": tuple(d["messages"])})
 
 
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer dtype that holds an expert index (Sample.routes, TrainBatch.routes)."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
 @dataclass
 class ToolTrace:
     """A multi-turn sample's conversation (rollout/tools/): where the tool's observations sit in its response
@@ -76,6 +81,10 @@ class Sample:
     (partial rollout) has one span per step that extended it."""
     tool: ToolTrace | None = None
     """A multi-turn sample's turns (rollout.tools); None = a single-turn sample."""
+    routes: torch.Tensor | None = None
+    """[prompt + response tokens - 1, MoE layers, top_k] small ints: the experts the rollout engine's routers
+    picked for every token it read (prompt and response, the last response token excepted: no forward reads
+    it), when asked (SamplingParams.return_routes). Rollout routing replay (r3) trains on them."""
 
     @classmethod
     def from_dict(cls, d: dict) -> Sample:
@@ -151,8 +160,9 @@ class TrainBatch:
     is_weights: torch.Tensor | None = None
     """[B, S] float: rollout-correction importance weights multiplying the loss terms (None = all 1)."""
     routes: torch.Tensor | None = None
-    """[B, S, layers, top_k] small ints: the experts each token went to in this rank's MoE layers, which the
-    updates replay (actor.routing_replay; actor/routing.py)."""
+    """[B, S, layers, top_k] small ints: the experts each token went to, which the updates replay
+    (actor.routing_replay; actor/routing.py): recorded by the pi_old pass in this rank's MoE layers (r2), or the
+    rollout's of every layer (r3, algo/train_batch.py; the actor takes its pipeline stage's)."""
 
     @property
     def num_tokens(self) -> int:

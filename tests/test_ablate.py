@@ -62,11 +62,12 @@ def test_contrasts_differ_in_exactly_their_switch(name):
     study = STUDIES[name]()
     by_key = {v.key: v for v in study.variants}
     assert len(by_key) == len(study.variants)
-    expected = {"clip-higher": {"algo.eps_high"}, "dynamic sampling": {"algo.dynamic_sampling"}}
+    expected = {"clip-higher": {"algo.eps_high"}, "dynamic sampling": {"algo.dynamic_sampling"},
+                "void-turn filter": {"algo.void_turn_filter"}}
     for c in study.contrasts:
         off, on = _resolved(study, by_key[c.off]), _resolved(study, by_key[c.on])
         assert {k for k in off if off[k] != on[k]} == expected[c.label.split(":")[0]]
-    assert len(study.contrasts) == (2 if name == "dapo-small" else 0)
+    assert len(study.contrasts) == {"dapo-small": 2, "tool": 1}.get(name, 0)
 
 
 @pytest.mark.parametrize("name", sorted(STUDIES))
@@ -218,3 +219,26 @@ def test_seed_mean_interpolates_when_seeds_share_no_x():
     assert xs == [5, 10, 15, 20]  # the range both cover: [5, 20]
     # seed 1 at 5/10/15/20: 0.5, 1, 1.5, 2; seed 2: 1, 1.5, 2, 2 + 5/15
     assert ys == pytest.approx([0.75, 1.25, 1.75, (2.0 + 2.0 + 1 / 3) / 2])
+
+
+def test_a_studys_own_monitors_are_reported_late_and_paired(tmp_path):
+    """The tool study's extra columns: a tag's mean over a run's last 3 steps, per variant and per contrast; its
+    own figure panels."""
+    study = Study(name="t", config="c.yaml", base="tool", seeds=(1, 2), budget=100, target=0.5,
+                  variants=(Variant(key="a", label="A", overrides=()), Variant(key="b", label="B", overrides=())),
+                  contrasts=(Contrast(label="b vs a", off="a", on="b"),),
+                  late=(("tool/calls_per_sample", "calls"),),
+                  panels=(("tool/calls_per_sample", "step", "calls per sample"),))
+    results = []
+    for variant, seed, calls in (("a", 1, [0.0, 0.2, 0.4, 0.6]), ("a", 2, [0.0, 0.1, 0.2, 0.3]),
+                                 ("b", 1, [0.0, 0.5, 0.5, 0.8]), ("b", 2, [0.0, 0.3, 0.3, 0.3])):
+        r = _result(variant, seed, [0.1, 0.2, 0.3, 0.4], [1.0] * 4)
+        r["curves"]["tool/calls_per_sample"] = [[s, c] for s, c in enumerate(calls)]
+        results.append(r)
+    md = report.table(study, results)
+    assert "| calls (late) |" in md.splitlines()[0] and md.splitlines()[1].count("---") == 10
+    assert md.splitlines()[2].endswith("| 0.300 ± 0.141 |")  # A: (0.2+0.4+0.6)/3 = 0.4 and 0.2
+    # paired: B - A = 0.6 - 0.4 and 0.3 - 0.2
+    assert "| 0.150 ± 0.071 | 2 |" in report.contrasts(study, results)
+    report.plot(study, results, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 5_000

@@ -29,7 +29,7 @@ def _actor_routes(folder, router_dtype: str | None, monkeypatch) -> list[torch.T
     from megatron_dapo.hf_files import SafetensorsReader
 
     fields = model_mod._moe_fields
-    monkeypatch.setattr(model_mod, "_moe_fields", lambda moe: {**fields(moe), "moe_router_dtype": router_dtype})
+    monkeypatch.setattr(model_mod, "_moe_fields", lambda moe, grouped: {**fields(moe, grouped), "moe_router_dtype": router_dtype})
     cfg = Config()
     cfg.model.dtype = "bfloat16"
     spec = model_mod.spec_from_hf(model_mod.load_hf_config(folder))

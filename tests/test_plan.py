@@ -297,3 +297,18 @@ def test_refit_of_a_moe_model_counts_the_experts_broadcast_from_their_owner():
     r = p.refit
     assert (r.ep_link, r.tp_gather_bytes, r.cross_node_bytes_per_node) == ("NVLink", 0.0, 0.0)
     assert r.ep_receive_bytes == 7 / 8 * experts and r.gather_s == pytest.approx(7 / 8 * experts / 450e9)
+
+
+def test_r3_counts_the_rollouts_routes_by_hand():
+    """Qwen3-30B-A3B (48 layers, top-8 of 128 experts: a uint8 each) with r3: every trained token carries 48 x 8
+    bytes of routes, scattered with its row and held on its DP rank; other replay modes carry none."""
+    over = ["model.hf_dir=/m/Qwen3-30B-A3B", "parallel.tensor_parallel=1", "parallel.sequence_parallel=false",
+            "parallel.expert_parallel=8", "rollout.sglang.tensor_parallel=1"]
+    p = plan_for(1, overrides=[*over, "actor.routing_replay=r3"], mem=141.0)
+    tok = p.tokens
+    assert tok.route_bytes_per_step_max == tok.trained_tokens_per_step_max * 48 * 8
+    assert tok.route_bytes_per_dp_rank_max == tok.trained_tokens_per_dp_rank_max * 48 * 8
+    from megatron_dapo.plan.report import format_plan
+
+    assert "r3: the rollout's routes of the trained tokens" in format_plan(p)
+    assert plan_for(1, overrides=over, mem=141.0).tokens.route_bytes_per_step_max == 0

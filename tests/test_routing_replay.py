@@ -87,7 +87,7 @@ def _random_routes(batch: TrainBatch) -> torch.Tensor:
     return torch.stack(picks).view(*batch.input_ids.shape, LAYERS, TOP_K)
 
 
-def _actor(hf_dir, replay: Literal["none", "r2"]):
+def _actor(hf_dir, replay: Literal["none", "r2", "r3"]):
     from megatron_dapo.actor.actor import Actor
 
     cfg = Config()
@@ -106,7 +106,7 @@ def test_routes_map_between_rows_and_the_models_token_order():
     for thd in (0, 1):
         for mb in micro_batches(batch, 24, thd=thd):
             model, real = routes_to_model(mb, mb.routes)
-            assert int(real.sum()) == int(mb.lengths.sum())
+            assert int(real.sum()) == int(mb.lengths.sum()) - len(mb.lengths)  # every token's but a row's last
             assert model.shape == (mb.model_shape[0] * mb.model_shape[1], LAYERS, TOP_K)
             back = routes_to_rows(mb, model)
             for j, n in enumerate(mb.lengths.tolist()):
@@ -115,7 +115,7 @@ def test_routes_map_between_rows_and_the_models_token_order():
     assert whole.routes is not None
     flat, real = routes_to_model(whole, whole.routes)
     model = flat.view(14, 4, LAYERS, TOP_K)  # [s, b]
-    assert real.view(14, 4)[:, 3].tolist() == [True] * 6 + [False] * 8
+    assert real.view(14, 4)[:, 3].tolist() == [True] * 5 + [False] * 9  # its last token replayed, not counted
     assert torch.equal(model[2, 1], routes[int(whole.rows[1]), 2])
     assert torch.equal(model[10, 3], torch.arange(TOP_K, dtype=torch.uint8).expand(LAYERS, TOP_K))
 
@@ -183,6 +183,42 @@ def test_r2_replays_exactly_in_a_shared_prefix_layout(hf_dir):
     assert m["approx_kl"] < 1e-10 and m["moe/routing_agreement"] == 1.0, m
 
 
+@pytest.mark.usefixtures("one_rank")
+def test_r3_replays_the_rollouts_routes_in_pi_old_and_the_update(hf_dir):
+    """The embedded engine's samples carry their routes (every token it read); the batch built from them holds them
+    per row; the r3 actor's pi_old pass replays them: on the same fp32 weights it computes the rollout's logprobs and
+    its own routers agree everywhere. Routes other than the routers' own are replayed as given: pi_old is
+    transformers' forced policy, and the update's ratio against it is 1."""
+    from megatron_dapo.algo.train_batch import build_train_batch
+    from megatron_dapo.rollout.base import SamplingParams
+    from megatron_dapo.rollout.embedded.engine import EmbeddedEngine
+    from megatron_dapo.types import Group, Prompt
+
+    engine = EmbeddedEngine(str(hf_dir))
+    prompts = [[3, 5, 7, 9, 11], [4, 8, 15], [16, 23, 42, 2, 1, 6]]
+    out = engine.generate(prompts, 2, SamplingParams(max_new_tokens=8, seed=2, return_routes=True))
+    groups = [Group(Prompt(uid=str(i), messages=(), ground_truth=""), g) for i, g in enumerate(out)]
+    batch = build_train_batch(groups, torch.tensor([1.0, -1.0, 0.5, -0.5, 0.25, -0.25]))
+    assert batch.routes is not None and batch.routes.shape[2:] == (LAYERS, TOP_K)
+    actor = _actor(hf_dir, "r3")
+    lp, _ = actor.compute_logprobs(batch, responses_only=True, record_routes=True)
+    assert torch.allclose(lp, batch.rollout_logprobs, atol=1e-5)
+    assert actor.routing_scalars()["moe/rollout_routing_agreement"] == 1.0
+
+    forced = _random_routes(batch)
+    for i, p in enumerate(batch.prompt_index.tolist()):  # a group's rows read its prompt in one prefill: one route
+        forced[i, : len(prompts[p])] = forced[2 * p, : len(prompts[p])]
+    forced_lp, _ = _hf_pass(hf_dir, batch, forced)
+    batch.routes = forced.to(torch.uint8)
+    valid = torch.arange(batch.input_ids.shape[1])[None, 1:] < batch.lengths[:, None]
+    lp, _ = actor.compute_logprobs(batch, record_routes=True)
+    assert torch.allclose(lp[:, 1:][valid], forced_lp[:, 1:][valid], atol=1e-5)
+    assert (forced_lp[:, 1:][valid] - batch.rollout_logprobs[:, 1:][valid]).abs().max() > 1e-2
+    batch.old_logprobs = forced_lp
+    m = actor.train_step(batch)
+    assert m["approx_kl"] < 1e-10 and m["clipfrac_high"] == m["clipfrac_low"] == 0.0
+
+
 def test_r2_is_refused_on_a_dense_model(tmp_path):
     from megatron_dapo.actor.actor import Actor
     from megatron_dapo.actor.model import spec_from_hf
@@ -200,10 +236,12 @@ local spec's torch norms refuse sequence parallelism (Transformer Engine's take 
 and gather of the routes, RouteKeeper, meet their first test on a GPU)."""
 
 
+@pytest.mark.parametrize("mode", ["r2", "r3"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_r2_replays_exactly_at_ep2_and_pp2(hf_dir, tmp_path, env, layout):
+def test_replay_is_exact_at_ep2_and_pp2(hf_dir, tmp_path, env, layout, mode):
     """Each layout's update replays the forced routes (its TP slice of the tokens, its DP rows, its stage's layers):
-    ratio 1 against transformers' forced policy on every rank, the loss the advantages alone give."""
+    ratio 1 against transformers' forced policy on every rank, the loss the advantages alone give. r3: the routes of
+    every layer, as a rollout returns them; the pi_old pass replays them too and computes that forced policy."""
     import subprocess
     import sys
     from pathlib import Path
@@ -218,13 +256,17 @@ def test_r2_replays_exactly_at_ep2_and_pp2(hf_dir, tmp_path, env, layout):
     tp, pp, ep = LAYOUTS[layout]
     worker = Path(__file__).parent / "workers" / "moe_worker.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(worker), "replay", str(hf_dir), str(tmp_path), str(tp), str(pp), str(ep)]
+           str(worker), "replay" if mode == "r2" else "replay_r3", str(hf_dir), str(tmp_path), str(tp), str(pp), str(ep)]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**env, "REPLAY_BATCH": str(tmp_path / "batch.pt")},
                        timeout=300)
     assert r.returncode == 0, r.stderr[-5000:]
     loss = -(batch.advantages[:, None] * batch.loss_mask).sum().item() / batch.loss_mask.sum().item()
     for rank in range(2):
-        m = torch.load(tmp_path / f"rank_{rank}.pt", weights_only=False)["models"][hf_dir.name]["metrics"]
+        res = torch.load(tmp_path / f"rank_{rank}.pt", weights_only=False)["models"][hf_dir.name]
+        m = res["metrics"]
+        if mode == "r3":
+            valid = torch.arange(batch.input_ids.shape[1])[None, 1:] < batch.lengths[:, None]
+            assert torch.allclose(res["old_logprobs"][:, 1:][valid], batch.old_logprobs[:, 1:][valid], atol=1e-5)
         assert m["approx_kl"] < 1e-10 and m["clipfrac_high"] == m["clipfrac_low"] == 0.0, (layout, m)
         assert m["loss"] == pytest.approx(loss, abs=1e-6)
         assert m["moe/routing_agreement"] < 0.5

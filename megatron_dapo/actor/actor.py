@@ -23,7 +23,7 @@ from megatron_dapo.actor.model import (
     rotary_positions,
     use_transformer_engine,
 )
-from megatron_dapo.actor.routing import RouteKeeper
+from megatron_dapo.actor.routing import RouteKeeper, stage_routes
 from megatron_dapo.actor.residency import Residency
 from megatron_dapo.actor.optimizer import build_optimizer, build_scheduler, current_lr, wrap_ddp
 from megatron_dapo.algo.loss_settings import LossSettings
@@ -197,9 +197,10 @@ class Actor(Residency):
             num_microbatches=len(micro), seq_length=seq, micro_batch_size=max(m.model_shape[0] for m in micro),
             forward_only=forward_only)
 
-    def _routing(self, mode: str | None):
-        """The routers' mode for one pass (actor/routing.py's RouteKeeper): record, replay or free."""
-        return nullcontext() if self.routes is None else self.routes.mode(mode)
+    def _routing(self, mode: str | None, tally: str = "update"):
+        """The routers' mode for one pass (actor/routing.py's RouteKeeper): record, replay or free; `tally`
+        "rollout": the batch's routes are the rollout's (moe/rollout_routing_agreement)."""
+        return nullcontext() if self.routes is None else self.routes.mode(mode, tally)
 
     def routing_scalars(self) -> dict[str, float]:
         """Collective: moe/* monitors since the last call, over all ranks (empty for a dense model)."""
@@ -228,8 +229,14 @@ class Actor(Residency):
         """Per-token logprobs and entropies [B, S] of `batch` under the current policy (all ranks), at the
         rollout's temperature unless `temperature` is given. `responses_only`: at the generated tokens only
         (response_mask, else loss_mask; the rest read 0; loss_impl=linear's output layer skips the prompt).
-        `record_routes` (a MoE model): also sets batch.routes, the experts this rank's layers sent each token to."""
+        `record_routes` (a MoE model): also sets batch.routes, the experts this rank's layers sent each token to;
+        under actor.routing_replay=r3 a batch that holds the rollout's routes replays them instead. With the
+        rollout's routes, the routers count how often their own choice equals them (moe/rollout_routing_agreement)."""
         self._check_awake(("weights",))
+        rollout_routes = batch.routes is not None and self.routes is not None  # the rollout's (collect, r3)
+        if rollout_routes:
+            batch.routes = stage_routes(batch.routes, self.spec)
+        replay = rollout_routes and self.routing_replay == "r3"
         micro = self._micro_batches(batch, self.cfg.logprob_micro_batch_tokens)
         out_lp = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         out_ent = torch.zeros_like(out_lp)
@@ -245,10 +252,12 @@ class Actor(Residency):
             return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {}
 
         self.ddp.eval()
-        with self._routing("record" if record_routes else None):
+        recording = record_routes and not replay and self.routes is not None
+        with self._routing("replay" if replay else "record" if recording else None,
+                           "rollout" if rollout_routes else "update"):
             self._forward(micro, collect, forward_only=True)
         self.ddp.train()
-        if record_routes and self.routes is not None:
+        if recording:
             batch.routes = self.routes.batch_routes(batch, micro)
         if parallel.pp_size() > 1:
             for t in (out_lp, out_ent):
@@ -265,6 +274,8 @@ class Actor(Residency):
         self._check_awake()
         if batch.old_logprobs is None:
             raise ValueError("train_step needs batch.old_logprobs (call compute_logprobs first)")
+        if batch.routes is not None and self.routes is not None:
+            batch.routes = stage_routes(batch.routes, self.spec)
         history, counts = [], torch.zeros(4, dtype=torch.float64)
         for _ in range(epochs):
             for mini in split_rows(batch, num_mini_batches):

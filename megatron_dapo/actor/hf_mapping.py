@@ -17,6 +17,8 @@ HF names are the checkpoint's (`mlp.experts.<e>.gate_proj.weight`), which SGLang
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,17 +48,37 @@ def layer_range(spec: ModelSpec, pp_rank: int, pp_size: int) -> range:
     return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
 
 
-def stage_rules(spec: ModelSpec, pp_rank: int = 0, pp_size: int = 1, *, te: bool = False, ep_rank: int = 0,
-                ep_size: int = 1) -> list[TensorRule]:
+@dataclass(frozen=True)
+class Naming:
+    """How a built model names its parameters: the Transformer Engine spec fuses the norms into the next
+    linear (`te`); grouped experts (TEGroupedMLP) hold expert i's weight as `experts.linear_fc1.weight<i>`
+    where the sequential ones (SequentialMLP) have `experts.local_experts.<i>.linear_fc1.weight`."""
+
+    te: bool = False
+    grouped: bool = False
+
+    @classmethod
+    def of(cls, names: Iterable[str]) -> Naming:
+        names = list(names)
+        return cls(te=any(n.endswith("layer_norm_weight") for n in names),
+                   grouped=any(_GROUPED.search(n) for n in names))
+
+
+_GROUPED = re.compile(r"\.experts\.linear_fc1\.weight\d+$")
+
+
+def stage_rules(spec: ModelSpec, pp_rank: int = 0, pp_size: int = 1, *, te: bool = False, grouped: bool = False,
+                ep_rank: int = 0, ep_size: int = 1) -> list[TensorRule]:
     """Every parameter of one pipeline stage, in a fixed order; with ep_size > 1 only the routed experts
-    of expert-parallel rank `ep_rank` (ep_size=1: all of them, the stage's HF view)."""
+    of expert-parallel rank `ep_rank` (ep_size=1: all of them, the stage's HF view). `te` and `grouped`: the
+    model's `Naming`."""
     rules: list[TensorRule] = []
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     if first:
         rules.append(TensorRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"))
     experts = _local_experts(spec, ep_rank, ep_size)
     for local, layer in enumerate(layer_range(spec, pp_rank, pp_size)):
-        rules += _layer_rules(spec, f"decoder.layers.{local}.", f"model.layers.{layer}.", te, experts)
+        rules += _layer_rules(spec, f"decoder.layers.{local}.", f"model.layers.{layer}.", te, experts, grouped)
     if last:
         rules.append(TensorRule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
         if not spec.tied_embeddings:
@@ -73,7 +95,7 @@ def _local_experts(spec: ModelSpec, ep_rank: int, ep_size: int) -> range:
     return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
 
 
-def _layer_rules(spec: ModelSpec, m: str, h: str, te: bool, experts: range) -> list[TensorRule]:
+def _layer_rules(spec: ModelSpec, m: str, h: str, te: bool, experts: range, grouped: bool) -> list[TensorRule]:
     attn = f"{h}self_attn."
     in_norm = f"{m}self_attention.linear_qkv.layer_norm_weight" if te else f"{m}input_layernorm.weight"
     # Transformer Engine fuses the pre-MLP norm into a dense fc1; a MoE layer keeps it apart in both specs
@@ -94,7 +116,7 @@ def _layer_rules(spec: ModelSpec, m: str, h: str, te: bool, experts: range) -> l
               TensorRule(mlp_norm, (f"{h}post_attention_layernorm.weight",), "replicated")]
     if spec.moe is None:
         return rules + _mlp_rules(f"{m}mlp.", f"{h}mlp.")
-    return rules + _moe_rules(spec, f"{m}mlp.", f"{h}mlp.", experts)
+    return rules + _moe_rules(spec, f"{m}mlp.", f"{h}mlp.", experts, grouped)
 
 
 def _mlp_rules(m: str, h: str, expert: int | None = None) -> list[TensorRule]:
@@ -102,10 +124,16 @@ def _mlp_rules(m: str, h: str, expert: int | None = None) -> list[TensorRule]:
             TensorRule(f"{m}linear_fc2.weight", (f"{h}down_proj.weight",), "row", expert=expert)]
 
 
-def _moe_rules(spec: ModelSpec, m: str, h: str, experts: range) -> list[TensorRule]:
+def _moe_rules(spec: ModelSpec, m: str, h: str, experts: range, grouped: bool) -> list[TensorRule]:
     rules = [TensorRule(f"{m}router.weight", (f"{h}gate.weight",), "replicated")]
     for e in experts:
-        rules += _mlp_rules(f"{m}experts.local_experts.{e - experts.start}.", f"{h}experts.{e}.", expert=e)
+        local, he = e - experts.start, f"{h}experts.{e}."
+        if grouped:  # TE's GroupedLinear: one weight per local expert, sharded like the sequential expert's
+            rules += [TensorRule(f"{m}experts.linear_fc1.weight{local}", (f"{he}gate_proj.weight", f"{he}up_proj.weight"),
+                                 "fc1", expert=e),
+                      TensorRule(f"{m}experts.linear_fc2.weight{local}", (f"{he}down_proj.weight",), "row", expert=e)]
+        else:
+            rules += _mlp_rules(f"{m}experts.local_experts.{local}.", he, expert=e)
     if spec.moe.shared_expert_size:
         rules += _mlp_rules(f"{m}shared_experts.", f"{h}shared_expert.")
         rules.append(TensorRule(f"{m}shared_experts.gate_weight", (f"{h}shared_expert_gate.weight",), "replicated"))

@@ -12,7 +12,9 @@ the model sees its tokens: Megatron's hidden states are [sequence, batch], so a 
 router sees its TP rank's slice of that order only (`tp_slice`).
 
 actor.routing_replay: r2 replays, in the updates, the routes the pi_old pass recorded (the ratio's numerator
-and denominator then use the same experts; Megatron-LM's R2). r3 (the rollout engine's routes) is not built yet.
+and denominator then use the same experts; Megatron-LM's R2). r3 replays the rollout engine's routes (Sample.routes:
+every token it read, prompt included) in the pi_old pass and the updates: the policy is trained on the experts that
+produced the samples.
 """
 
 from __future__ import annotations
@@ -27,15 +29,17 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from megatron_dapo import parallel
+from megatron_dapo.types import route_dtype
 
 if TYPE_CHECKING:
+    from megatron_dapo.actor.model_spec import ModelSpec
     from megatron_dapo.actor.batching import MicroBatch
     from megatron_dapo.types import TrainBatch
 
 
-def route_dtype(num_experts: int) -> torch.dtype:
-    """The smallest integer dtype that holds an expert index."""
-    return torch.uint8 if num_experts <= 256 else torch.int16
+REPLAY_LINES = {"none": "every pass routes by itself", "r2": "the updates take pi_old's experts",
+                "r3": "pi_old and the updates take the rollout's experts, prompt included"}
+"""actor.routing_replay, as the start-up summary says it."""
 
 
 class TrackedReplay(RouterReplay):
@@ -49,25 +53,29 @@ class TrackedReplay(RouterReplay):
         self.replay_backward_list: list[torch.Tensor] = []
         self.num_experts = num_experts
         self.compare_only = False
-        self.counted = torch.zeros(0, dtype=torch.bool)
         """With REPLAY_FORWARD: count agreement with the target, but route by the router's own top-k."""
+        self.counted = torch.zeros(0, dtype=torch.bool)
+        self.tally = "update"
+        """Which count the agreement with the target goes to: "update" or "rollout" (the rollout's routes)."""
         self.reset_counts()
 
     def reset_counts(self) -> None:
-        self.agreeing = 0
-        self.replayed = 0
+        self.counts = {"update": [0, 0], "rollout": [0, 0]}  # (agreeing, compared) (token, layer) pairs
         self.load = torch.zeros(self.num_experts, dtype=torch.float64)
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+        action = self.router_replay_action
+        if self.target_topk_idx is not None and action in (RouterReplayAction.RECORD,
+                                                           RouterReplayAction.REPLAY_FORWARD):
             _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
             target = self.target_topk_idx.to(scores.device).long()
             self.target_topk_idx = target
             same = (own.sort(-1).values == target.sort(-1).values).all(-1)
             counted = self.counted.to(scores.device)  # a row's tokens, not padding or a filler
-            self.agreeing += int((same & counted).sum())
-            self.replayed += int(counted.sum())
-        if self.compare_only and self.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+            tally = self.counts[self.tally]
+            tally[0] += int((same & counted).sum())
+            tally[1] += int(counted.sum())
+        if self.compare_only and action == RouterReplayAction.REPLAY_FORWARD:
             probs, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         else:
             probs, idx = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
@@ -77,20 +85,26 @@ class TrackedReplay(RouterReplay):
 
 @dataclass
 class RoutingStats:
-    """Counts over the passes since the last `reset`: (token, layer) pairs whose own top-k equalled the
-    replayed one, of all replayed; tokens per expert of each layer."""
+    """Counts over the passes since the last `reset`: (token, layer) pairs whose own top-k equalled the given
+    one, of all compared: in the updates (the routes they replay or compare with), and in a pass over the rollout's
+    routes (pi_old's: replayed under r3, compared otherwise); tokens per expert of each layer."""
 
     agreeing: int
     replayed: int
     load: torch.Tensor
     """[layers, experts] float64."""
+    rollout_agreeing: int = 0
+    rollout_compared: int = 0
 
     def scalars(self) -> dict[str, float]:
-        """moe/routing_agreement (when anything was replayed) and moe/expert_load_max_over_mean (the worst
-        layer's busiest expert over its mean load; 1 = balanced)."""
+        """moe/routing_agreement (when an update compared anything), moe/rollout_routing_agreement (when the
+        rollout's routes were compared) and moe/expert_load_max_over_mean (the worst layer's busiest expert over
+        its mean load; 1 = balanced)."""
         out: dict[str, float] = {}
         if self.replayed:
             out["moe/routing_agreement"] = self.agreeing / self.replayed
+        if self.rollout_compared:
+            out["moe/rollout_routing_agreement"] = self.rollout_agreeing / self.rollout_compared
         mean = self.load.mean(-1)
         busy = mean > 0
         if bool(busy.any()):
@@ -116,22 +130,25 @@ class Routers:
     def __len__(self) -> int:
         return len(self.replays)
 
-    def record(self) -> None:
+    def record(self, routes: torch.Tensor | None = None, counted: torch.Tensor | None = None,
+               tally: str = "update") -> None:
+        """Record the next forward's routes; with `routes` (as `replay`'s), also count how often they agree."""
+        if routes is None:
+            self._target(None, torch.zeros(0, dtype=torch.bool), tally)
+        else:
+            self._target(routes, counted, tally)
         self._act(RouterReplayAction.RECORD)
 
-    def replay(self, routes: torch.Tensor, counted: torch.Tensor, compare_only: bool = False) -> None:
+    def replay(self, routes: torch.Tensor, counted: torch.Tensor, compare_only: bool = False,
+               tally: str = "update") -> None:
         """Replay `routes` [tokens, layers, top_k] in the next forward (the model's token order); `counted`
         [tokens] bool: the tokens whose agreement counts; `compare_only`: route freely, only counting how often
-        the routers' own choice equals `routes`."""
-        if routes.shape[1:] != (len(self.replays), self.top_k):
-            raise ValueError(f"routes of shape {tuple(routes.shape)} for {len(self.replays)} MoE layers of "
-                             f"top-{self.top_k}")
-        for layer, r in enumerate(self.replays):
-            r.target_topk_idx = routes[:, layer]
-            r.compare_only, r.counted = compare_only, counted
+        the routers' own choice equals `routes`; `tally`: which count ("update" or "rollout")."""
+        self._target(routes, counted, tally, compare_only)
         self._act(RouterReplayAction.REPLAY_FORWARD)
 
     def off(self) -> None:
+        self._target(None, torch.zeros(0, dtype=torch.bool), "update")
         self._act(None)
 
     def recorded(self) -> torch.Tensor:
@@ -139,19 +156,42 @@ class Routers:
         return torch.stack([r.recorded_topk_idx.to(self.dtype).cpu() for r in self.replays], 1)
 
     def stats(self) -> RoutingStats:
-        return RoutingStats(sum(r.agreeing for r in self.replays), sum(r.replayed for r in self.replays),
-                            torch.stack([r.load for r in self.replays]))
+        def total(tally: str, i: int) -> int:
+            return sum(r.counts[tally][i] for r in self.replays)
+
+        return RoutingStats(total("update", 0), total("update", 1), torch.stack([r.load for r in self.replays]),
+                            total("rollout", 0), total("rollout", 1))
 
     def reset(self) -> None:
         for r in self.replays:
             r.reset_counts()
 
+    def _target(self, routes: torch.Tensor | None, counted: torch.Tensor, tally: str,
+                compare_only: bool = False) -> None:
+        if routes is not None and routes.shape[1:] != (len(self.replays), self.top_k):
+            raise ValueError(f"routes of shape {tuple(routes.shape)} for {len(self.replays)} MoE layers of "
+                             f"top-{self.top_k}")
+        for layer, r in enumerate(self.replays):
+            r.target_topk_idx = None if routes is None else routes[:, layer]
+            r.compare_only, r.counted, r.tally = compare_only, counted, tally
+
     def _act(self, action: RouterReplayAction | None) -> None:
         for r in self.replays:
             r.router_replay_action = action
-            if action != RouterReplayAction.REPLAY_FORWARD:
-                r.target_topk_idx = None
             r.replay_backward_list = []  # only activation recompute reads it, which replay refuses
+
+
+def stage_routes(routes: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """The rollout's routes of every layer [B, S, layers, k] -> this pipeline stage's layers (routes of this
+    stage's layers as they are)."""
+    from megatron_dapo.actor.hf_mapping import layer_range
+
+    layers = layer_range(spec, parallel.pp_rank(), parallel.pp_size())
+    if routes.shape[2] == len(layers):
+        return routes
+    if routes.shape[2] != spec.num_layers:
+        raise ValueError(f"routes of {routes.shape[2]} layers for a model of {spec.num_layers}")
+    return routes[:, :, layers.start:layers.stop]
 
 
 def model_token_order(shape: tuple[int, int]) -> torch.Tensor:
@@ -190,8 +230,9 @@ def routes_to_rows(mb: MicroBatch, recorded: torch.Tensor) -> torch.Tensor:
 
 
 def routes_to_model(mb: MicroBatch, routes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`mb`'s rows' routes [rows, width, layers, k] -> ([tokens, layers, k], [tokens] bool: a row's token) in the
-    model's order; positions that are no row's token (padding) get experts 0..k-1."""
+    """`mb`'s rows' routes [rows, width, layers, k] -> ([tokens, layers, k], [tokens] bool: a row's token whose
+    agreement counts, every one but its last) in the model's order; positions that are no row's token (padding)
+    get experts 0..k-1."""
     n, length = mb.model_shape
     k = routes.shape[-1]
     flat = torch.arange(k, dtype=routes.dtype).expand(n * length, routes.shape[2], k).clone()
@@ -204,7 +245,10 @@ def routes_to_model(mb: MicroBatch, routes: torch.Tensor) -> tuple[torch.Tensor,
     flat[(where[:, 1:] - 1)[follows]] = routes[:, :-1][follows]
     real[(where[:, 1:] - 1)[follows]] = True
     flat[where[valid]] = routes[valid]
-    real[where[valid]] = True
+    # a row's last token: no forward of the rollout read it (so it has no rollout route), and its output predicts
+    # nothing the loss uses; its route is replayed but not counted
+    ends = valid & (torch.arange(valid.shape[1])[None, :] == mb.lengths[:, None] - 1)
+    real[where[valid & ~ends]] = True
     order = model_token_order(mb.model_shape)
     return flat[order], real[order]
 
@@ -218,33 +262,39 @@ class RouteKeeper:
         self.routers = Routers(model, num_experts, top_k)
         self.sp = sequence_parallel and parallel.tp_size() > 1
         self._mode: str | None = None
+        self._tally = "update"
 
     @contextmanager
-    def mode(self, mode: str | None) -> Iterator[None]:
-        self._mode = mode
+    def mode(self, mode: str | None, tally: str = "update") -> Iterator[None]:
+        """One pass's mode; `tally`: where agreement with the given routes counts ("rollout": they are the
+        rollout's)."""
+        self._mode, self._tally = mode, tally
         try:
             yield
         finally:
-            self._mode = None
+            self._mode, self._tally = None, "update"
             self.routers.off()
 
     def before(self, mb: MicroBatch) -> None:
-        """Set the routers for `mb`'s forward: record, replay mb.routes (a filler: experts 0..k-1), or free."""
-        if self._mode == "record":
-            self.routers.record()
-        elif self._mode in ("replay", "compare"):
-            n, length = mb.model_shape
-            k, layers = self.routers.top_k, len(self.routers)
-            if mb.routes is None or mb.filler:
-                routes, counted = torch.arange(k).expand(n * length, layers, k), torch.zeros(n * length, dtype=torch.bool)
-            else:
-                routes, counted = routes_to_model(mb, mb.routes)
-            if self.sp:
-                mine = tp_slice(n * length, parallel.tp_rank(), parallel.tp_size())
-                routes, counted = routes[mine], counted[mine]
-            self.routers.replay(routes, counted, compare_only=self._mode == "compare" or not bool(counted.any()))
-        else:
+        """Set the routers for `mb`'s forward: record (counting agreement with mb.routes when it has them), replay
+        mb.routes (a filler: experts 0..k-1), compare with them, or route freely."""
+        if self._mode is None:
             self.routers.off()
+            return
+        n, length = mb.model_shape
+        k, layers = self.routers.top_k, len(self.routers)
+        if mb.routes is None or mb.filler:
+            routes, counted = torch.arange(k).expand(n * length, layers, k), torch.zeros(n * length, dtype=torch.bool)
+        else:
+            routes, counted = routes_to_model(mb, mb.routes)
+        if self.sp:
+            mine = tp_slice(n * length, parallel.tp_rank(), parallel.tp_size())
+            routes, counted = routes[mine], counted[mine]
+        if self._mode == "record":
+            self.routers.record(routes if bool(counted.any()) else None, counted, self._tally)
+        else:
+            self.routers.replay(routes, counted, compare_only=self._mode == "compare" or not bool(counted.any()),
+                                tally=self._tally)
 
     def after(self, mb: MicroBatch) -> None:
         """Keep `mb`'s recorded routes (its rows', all TP ranks' tokens) when recording."""
@@ -274,13 +324,16 @@ class RouteKeeper:
         stats = self.routers.stats()
         self.routers.reset()
         many = dist.is_initialized() and parallel.world_size() > 1
-        sums = torch.tensor([stats.agreeing, stats.replayed], dtype=torch.float64, device=parallel.device())
+        sums = torch.tensor([stats.agreeing, stats.replayed, stats.rollout_agreeing, stats.rollout_compared],
+                            dtype=torch.float64, device=parallel.device())
         load = torch.tensor([stats.scalars().get("moe/expert_load_max_over_mean", 0.0)], device=parallel.device())
         if many:
             dist.all_reduce(sums)
             dist.all_reduce(load, op=dist.ReduceOp.MAX)
-        agreeing, replayed = sums.tolist()
+        agreeing, replayed, rollout_agreeing, rollout_compared = sums.tolist()
         out = {"moe/expert_load_max_over_mean": float(load.item())}
         if replayed:
             out["moe/routing_agreement"] = agreeing / replayed
+        if rollout_compared:
+            out["moe/rollout_routing_agreement"] = rollout_agreeing / rollout_compared
         return out

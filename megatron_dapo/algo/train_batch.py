@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from megatron_dapo.reward.overlong import overlong_filter_mask
-from megatron_dapo.types import Group, TrainBatch
+from megatron_dapo.types import Group, Sample, TrainBatch
 
 
 def group_rewards(groups: list[Group]) -> torch.Tensor:
@@ -55,4 +55,24 @@ def build_train_batch(groups: list[Group], advantages: torch.Tensor, *, loss_wei
             mask[i, p + start:p + end] = 0.0
     prompt_index = torch.arange(len(groups)).repeat_interleave(torch.tensor([len(g.samples) for g in groups]))
     return TrainBatch(input_ids=ids, loss_mask=mask, advantages=advantages, lengths=lengths,
-                      rollout_logprobs=rollout_lp, prompt_index=prompt_index, response_mask=generated)
+                      rollout_logprobs=rollout_lp, prompt_index=prompt_index, response_mask=generated,
+                      routes=rollout_routes(samples, width))
+
+
+def rollout_routes(samples: list[Sample], width: int) -> torch.Tensor | None:
+    """[B, width, layers, k]: each sample's rollout routes (Sample.routes, r3) at the positions the engine read,
+    0 at its last token and the padding (replayed there, never counted: actor/routing.py); None when no sample
+    carries routes."""
+    have = [s.routes is not None for s in samples]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(f"{have.count(False)} of {len(samples)} samples came back without their routes")
+    first = samples[0].routes
+    out = torch.zeros(len(samples), width, *first.shape[1:], dtype=first.dtype)
+    for i, s in enumerate(samples):
+        if s.routes.shape[0] != len(s.prompt_ids) + s.response_len - 1:
+            raise ValueError(f"sample {i}: routes of {s.routes.shape[0]} positions for "
+                             f"{len(s.prompt_ids) + s.response_len} tokens")
+        out[i, : s.routes.shape[0]] = s.routes
+    return out

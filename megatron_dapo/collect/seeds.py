@@ -29,8 +29,10 @@ def eos_ids(tokenizer: Any) -> tuple[int, ...]:
 def sampling_params(cfg: Config, eos_ids: tuple[int, ...], split: Literal["train", "eval"],
                     *key: Any) -> SamplingParams:
     """The rollout's (train) or the evaluation's (eval) temperature / top-p, the response budget, the
-    tokenizer's end of sequence, and the seed of (train.seed, split, *key)."""
+    tokenizer's end of sequence, and the seed of (train.seed, split, *key); the rollout's asks for its routes
+    under actor.routing_replay=r3."""
     temperature, top_p = (cfg.eval.temperature, cfg.eval.top_p) if split == "eval" else \
         (cfg.rollout.temperature, cfg.rollout.top_p)
     return SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=cfg.rollout.max_response_len,
-                          stop_token_ids=eos_ids, seed=seed_of(cfg.train.seed, split, *key))
+                          stop_token_ids=eos_ids, seed=seed_of(cfg.train.seed, split, *key),
+                          return_routes=split == "train" and cfg.actor.routing_replay == "r3")

@@ -53,6 +53,10 @@ class ModelConfig:
     chat_template: str = "auto"
     """How prompts are rendered: auto = the tokenizer's chat template (plain text if it has none); none =
     plain text (base models); or a Jinja file replacing the tokenizer's. Start-up says which is used."""
+    moe_experts: Literal["auto", "grouped", "sequential"] = "auto"
+    """A MoE model's routed experts: grouped = one grouped GEMM per layer for all local experts (Transformer
+    Engine's GroupedLinear); sequential = megatron-core's loop of one small matmul pair per expert; auto = grouped
+    wherever the Transformer Engine spec is in use, else sequential (the CPU). Start-up names the choice."""
 
 
 @dataclass(kw_only=True)
@@ -93,8 +97,9 @@ class ActorConfig:
     """Compute each group's prompt once (pi_old and the updates): its G responses packed behind one copy, each
     attending to the prompt and itself at its own positions; exact (actor/prefix.py). auto = on with the local
     layer spec; Transformer Engine ignores the block mask (off; true is an error). YAML: on/off = true/false."""
-    routing_replay: Literal["none", "r2"] = "none"
-    """MoE: r2 = the updates take the experts pi_old's pass routed each token to (actor/routing.py)."""
+    routing_replay: Literal["none", "r2", "r3"] = "none"
+    """MoE: r2 = the updates take the experts pi_old's pass routed each token to; r3 = pi_old's pass and the
+    updates take the experts the rollout engine routed each token to, prompt included (actor/routing.py)."""
 
     def resolved_loss_impl(self, sequence_parallel: bool) -> str:
         """"logits" or "linear": auto is linear unless the hidden states are sequence-sharded."""

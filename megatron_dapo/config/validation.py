@@ -40,7 +40,7 @@ def _problems(cfg: Config) -> list[str]:
         p.append(f"train.mini_batch_size={t.mini_batch_size} must divide "
                  f"train.prompt_batch_size={t.prompt_batch_size}")
     p += _correction_problems(a, cfg.rollout_correction()) + _policy_loss_problems(a) + _async_problems(cfg)
-    p += _tools_problems(cfg)
+    p += _tools_problems(cfg) + _r3_problems(cfg)
     if cfg.reward.soft_overlong_punishment and not 0 < cfg.reward.overlong_cache_len < r.max_response_len:
         p.append(f"reward.overlong_cache_len={cfg.reward.overlong_cache_len} must be in "
                  f"(0, rollout.max_response_len={r.max_response_len})")
@@ -64,6 +64,21 @@ def _problems(cfg: Config) -> list[str]:
         p.append(f"reward.name={cfg.reward.name!r} must be one of {', '.join(REWARDS)} "
                  "or module.path:function")
     return p
+
+
+def _r3_problems(cfg: Config) -> list[str]:
+    """actor.routing_replay=r3 trains on the routes each sample's rollout returned: the features whose samples
+    would carry routes of other weights or of tokens the engine did not route are refused by name."""
+    if cfg.actor.routing_replay != "r3":
+        return []
+    r, what = cfg.rollout, []
+    if r.partial_rollout:
+        what.append("rollout.partial_rollout (a continued sample's earlier routes came from older weights)")
+    if r.async_steps:
+        what.append(f"rollout.async_steps={r.async_steps} (the pipelines)")
+    if r.tools.name != "none":
+        what.append("rollout.tools (an observation's tokens are routed when the next turn reads them)")
+    return [f"actor.routing_replay=r3 does not work with {w} yet: use routing_replay=r2" for w in what]
 
 
 def _tools_problems(cfg: Config) -> list[str]:
@@ -160,7 +175,8 @@ def _correction_problems(a: AlgoConfig, correction: str) -> list[str]:
 
 
 def _prompt_problems(cfg: Config) -> list[str]:
-    """Prompt template, few-shot file, chat template and sample logging: names and files exist."""
+    """Prompt template, few-shot file, chat template, sample logging and the model's kernels: names and files
+    exist, and the kernels asked for exist in the layer spec asked for."""
     p: list[str] = []
     d, m = cfg.data, cfg.model
     if d.prompt_template not in PROMPT_TEMPLATES and not os.path.isfile(d.prompt_template):
@@ -170,6 +186,9 @@ def _prompt_problems(cfg: Config) -> list[str]:
         p.append(f"data.few_shot_path={d.few_shot_path!r}: no such file")
     if m.chat_template not in ("auto", "none") and not os.path.isfile(m.chat_template):
         p.append(f"model.chat_template={m.chat_template!r} must be auto, none or a Jinja file")
+    if m.moe_experts == "grouped" and m.transformer_impl == "local":
+        p.append("model.moe_experts=grouped runs Transformer Engine's GroupedLinear, which the local layer spec "
+                 "(model.transformer_impl=local) does not have: set model.moe_experts=auto or sequential")
     if d.prompt_template == "gsm8k" and cfg.reward.name in REWARDS and cfg.reward.answer_fallback == "none":
         p.append("data.prompt_template=gsm8k asks for the answer after '####', which reward.answer_fallback=none "
                  "never reads: set reward.answer_fallback=boxed (or use the dapo_math template)")

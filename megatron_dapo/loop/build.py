@@ -12,7 +12,8 @@ import torch
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
 from megatron_dapo.actor.checkpoint import CheckpointError, load_checkpoint
-from megatron_dapo.actor.model import UnsupportedModelError, attention_kernel, param_dtype
+from megatron_dapo.actor.model import UnsupportedModelError, attention_kernel, expert_kernel, param_dtype
+from megatron_dapo.actor.routing import REPLAY_LINES
 from megatron_dapo.algo.policy_losses import policy_loss_spec
 from megatron_dapo.cli import preflight_error
 from megatron_dapo.config import Config, to_dict
@@ -106,6 +107,9 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
     report.micro_batch_tokens = (actor.cfg.micro_batch_tokens, actor.cfg.logprob_micro_batch_tokens)
     report.shared_prefix = actor.shared_prefix
     report.attention = attention_kernel(cfg.model)
+    report.experts = expert_kernel(cfg.model, actor.spec)
+    if report.experts:
+        report.experts += f"; routing replay {cfg.actor.routing_replay} ({REPLAY_LINES[cfg.actor.routing_replay]})"
     if cfg.model.load:
         try:
             load_checkpoint(actor, cfg.model.load, load_optimizer=False, load_rng=False)

@@ -42,23 +42,41 @@ def trainable(groups: list[Group], num_mini_batches: int) -> list[Group]:
     return groups[: len(groups) // unit * unit]
 
 
+ROUTE_DTYPES = (torch.uint8, torch.int16)
+"""The dtypes rollout routes travel in (types.route_dtype), by their header code 1, 2 (0: no routes)."""
+
+
 def pack(batch: TrainBatch) -> list[torch.Tensor]:
     """The rows as four tensors: token ids (int32), [3, B, S] fp32 (loss mask, rollout logprobs,
-    response mask), advantages [B] fp32, [2, B] int64 (lengths, prompt index)."""
-    return [batch.input_ids.to(torch.int32),
-            torch.stack([batch.loss_mask, batch.rollout_logprobs, batch.response_mask]).float(),
-            batch.advantages.float(), torch.stack([batch.lengths, batch.prompt_index]).long()]
+    response mask), advantages [B] fp32, [2, B] int64 (lengths, prompt index); a fifth, the rollout's routes
+    [B, S, layers, k] in their small integer dtype, when the batch has them (r3)."""
+    parts = [batch.input_ids.to(torch.int32),
+             torch.stack([batch.loss_mask, batch.rollout_logprobs, batch.response_mask]).float(),
+             batch.advantages.float(), torch.stack([batch.lengths, batch.prompt_index]).long()]
+    return parts + ([] if batch.routes is None else [batch.routes.contiguous()])
 
 
 def unpack(parts: list[torch.Tensor]) -> TrainBatch:
-    ids, floats, adv, ints = parts
+    ids, floats, adv, ints, *routes = parts
     return TrainBatch(input_ids=ids.long(), loss_mask=floats[0], rollout_logprobs=floats[1],
-                      response_mask=floats[2], advantages=adv, lengths=ints[0], prompt_index=ints[1])
+                      response_mask=floats[2], advantages=adv, lengths=ints[0], prompt_index=ints[1],
+                      routes=routes[0] if routes else None)
 
 
-def empty_parts(rows: int, width: int) -> list[torch.Tensor]:
-    return [torch.empty(rows, width, dtype=torch.int32), torch.empty(3, rows, width),
-            torch.empty(rows), torch.empty(2, rows, dtype=torch.long)]
+def header_of(parts: list[torch.Tensor]) -> torch.Tensor:
+    """What the receivers allocate: rows, width, and the routes' layers, top-k and dtype code (0s: none)."""
+    rows, width = parts[0].shape
+    if len(parts) < 5:
+        return torch.tensor([rows, width, 0, 0, 0], dtype=torch.long)
+    routes = parts[4]
+    return torch.tensor([rows, width, routes.shape[2], routes.shape[3], 1 + ROUTE_DTYPES.index(routes.dtype)])
+
+
+def empty_parts(header: list[int]) -> list[torch.Tensor]:
+    rows, width, layers, k, code = header
+    parts = [torch.empty(rows, width, dtype=torch.int32), torch.empty(3, rows, width),
+             torch.empty(rows), torch.empty(2, rows, dtype=torch.long)]
+    return parts + ([torch.empty(rows, width, layers, k, dtype=ROUTE_DTYPES[code - 1])] if code else [])
 
 
 def nbytes(parts: list[torch.Tensor]) -> int:
@@ -72,18 +90,17 @@ def scatter(batch: TrainBatch | None) -> tuple[TrainBatch | None, Transfer]:
     total = sum(map(nbytes, shares))
     if parallel.world_size() == 1:
         return (unpack(shares[0]) if shares else None), Transfer(bytes_total=total)
-    header = torch.tensor(shares[0][0].shape if shares else (0, 0), dtype=torch.long)
+    header = header_of(shares[0]) if shares else torch.zeros(5, dtype=torch.long)
     dist.broadcast(header, src=0)
     received = 0 if parallel.is_main() else header.numel() * header.element_size()
-    rows, width = header.tolist()
-    if not rows:
+    if not header[0]:
         return None, Transfer(bytes_received=received)
-    mine = _deliver(shares, rows, width)
+    mine = _deliver(shares, header.tolist())
     received += 0 if parallel.is_main() else nbytes(mine)
     return unpack(mine), Transfer(bytes_total=total, bytes_received=received)
 
 
-def _deliver(shares: list[list[torch.Tensor]], rows: int, width: int) -> list[torch.Tensor]:
+def _deliver(shares: list[list[torch.Tensor]], header: list[int]) -> list[torch.Tensor]:
     """The driver sends share d to the first rank of DP replica d; that rank broadcasts it to its
     model-parallel peers. Returns this rank's share."""
     me = parallel.global_rank()
@@ -97,7 +114,7 @@ def _deliver(shares: list[list[torch.Tensor]], rows: int, width: int) -> list[to
                 dist.send(t.contiguous(), dst=first[d])
         parts = shares[0]
     else:
-        parts = empty_parts(rows, width)
+        parts = empty_parts(header)
         if me == min(mp_ranks):
             for t in parts:
                 dist.recv(t, src=0)

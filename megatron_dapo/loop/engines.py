@@ -73,7 +73,8 @@ def _start_sglang(cfg: Config, hf_dir: str, threads: int | None, restarts: Resta
     dtype = str(param_dtype(cfg.model)).removeprefix("torch.")
     return start_job_servers(hf_dir, cfg.rollout.sglang, restarts, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
                              dtype=dtype, colocate=cfg.rollout.colocate, threads=threads,
-                             deterministic=cfg.train.deterministic)
+                             deterministic=cfg.train.deterministic,
+                             return_routes=cfg.actor.routing_replay == "r3")
 
 
 def _why_own_weights(cfg: Config) -> str | None:

@@ -27,6 +27,7 @@ from megatron_dapo.config import Config
 from megatron_dapo.data.render import render_prompt_ids
 from megatron_dapo.reward.scorer import Scorer
 from megatron_dapo.rollout.base import GroupRequest, RolloutEngine, SamplingParams
+from megatron_dapo.rollout.tools.monitors import tool_scalars
 from megatron_dapo.collect.scoring import score_group
 from megatron_dapo.collect.seeds import sampling_params
 from megatron_dapo.types import Group, Prompt, Sample
@@ -110,10 +111,14 @@ class EvalResult:
         return out
 
     def val_scalars(self) -> dict[str, float]:
-        """The in-training monitors: val/acc_avg_at_k, val/pass_at_k, val/maj_at_k, val/response_length_mean."""
+        """The in-training monitors: val/acc_avg_at_k, val/pass_at_k, val/maj_at_k, val/response_length_mean; with
+        a tool (rollout.tools), val/tool_calls_per_sample and val/void_turn_frac too."""
         s = self.summary()
+        tools = tool_scalars([x for g in self.groups for x in g.samples])
         return {"val/acc_avg_at_k": s[f"avg@{self.n}"], "val/pass_at_k": s[f"pass@{self.n}"],
-                "val/maj_at_k": s[f"maj@{self.n}"], "val/response_length_mean": s["response_length_mean"]}
+                "val/maj_at_k": s[f"maj@{self.n}"], "val/response_length_mean": s["response_length_mean"],
+                **({"val/tool_calls_per_sample": tools["tool/calls_per_sample"],
+                    "val/void_turn_frac": tools["rollout/void_turn_frac"]} if tools else {})}
 
     def prompt_records(self) -> list[dict[str, Any]]:
         """One JSON-able record per prompt: its counts, metrics and every response."""

@@ -47,6 +47,8 @@ class StartupReport:
     """actor.shared_prefix resolved: each group's prompt computed once."""
     attention: str = ""
     """The actor's core attention (actor/model.py attention_kernel)."""
+    experts: str = ""
+    """A MoE actor's routed-expert kernel (actor/model.py expert_kernel); "" for a dense model."""
     old_logprobs: str = ""
     """Where pi_old comes from and why (OldLogprobSource.line)."""
 
@@ -67,7 +69,7 @@ class StartupReport:
             f"{self.micro_batch_tokens[0]} / {self.micro_batch_tokens[1]} tokens (train / pi_old); "
             + ("a group's prompt computed once, its responses packed behind it" if self.shared_prefix
                else "one row per sample") + f" (actor.shared_prefix={cfg.actor.shared_prefix}); attention "
-            f"{self.attention}",
+            f"{self.attention}" + (f"; experts {self.experts}" if self.experts else ""),
             f"weights: {weights}",
             f"rollout engine: {self.engine}; started with the actor "
             + ("asleep" if not self.actor_bytes_at_engine_start

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from megatron_dapo.actor.actor import Actor
-from megatron_dapo.actor.hf_mapping import megatron_to_hf, stage_rules
+from megatron_dapo.actor.hf_mapping import Naming, megatron_to_hf, stage_rules
 
 
 def can_share(actor: Actor, engine_dtype: torch.dtype = torch.float32) -> bool:
@@ -32,9 +32,8 @@ def actor_hf_tensors(actor: Actor) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of the whole model: a view of the actor's parameter where the layouts agree,
     else a contiguous copy."""
     params = dict(actor.module.named_parameters())
-    te = any(n.endswith("layer_norm_weight") for n in params)
-    spec = actor.spec
-    for rule in stage_rules(spec, 0, 1, te=te):
+    naming, spec = Naming.of(params), actor.spec
+    for rule in stage_rules(spec, 0, 1, te=naming.te, grouped=naming.grouped):
         param = params[rule.megatron_name].detach()
         full = param[: spec.vocab_size] if rule.kind == "vocab" else param
         for name, t in zip(rule.hf_names, megatron_to_hf(full, rule, spec)):

@@ -15,6 +15,7 @@ from megatron_dapo.plan.core import (Hardware, IdleActor, Layout, Links, ModelSu
 from megatron_dapo.plan.memory import (activated_params, actor_bytes, kv_bytes_per_token, params_dtype,
                                        stage_activations, stage_expert_params, stage_params, total_params)
 from megatron_dapo.plan.refit import plan_refit
+from megatron_dapo.types import route_dtype
 
 if TYPE_CHECKING:
     from megatron_dapo.actor.model import ModelSpec
@@ -43,8 +44,8 @@ def make_plan(cfg: Config, spec: ModelSpec, hw: Hardware, *, model_source: str =
                          vocab_padded=spec.padded_vocab_size(layout.tp), tied_embeddings=spec.tied_embeddings,
                          experts=moe.num_experts if moe else 0, experts_per_token=moe.top_k if moe else 0)
     return Plan(config=config_name, hardware=hw, model=model, layout=layout, train=train, rollout=rollout,
-                tokens=_tokens(cfg, layout.dp, resolve_micro_batches(cfg.actor, spec.vocab_size, layout.tp,
-                                                                     on_gpu=True).micro_batch_tokens),
+                tokens=_tokens(cfg, spec, layout.dp, resolve_micro_batches(cfg.actor, spec.vocab_size, layout.tp,
+                                                                           on_gpu=True).micro_batch_tokens),
                 phases=phases, problems=tuple(problems), warnings=tuple(warnings), refit=refit)
 
 
@@ -282,12 +283,17 @@ def _rollout_warnings(cfg: Config) -> list[str]:
 # ----------------------------------------------------------------------------------------- tokens
 
 
-def _tokens(cfg: Config, dp: int, micro_batch_tokens: int) -> TokenBudget:
+def _tokens(cfg: Config, spec: ModelSpec, dp: int, micro_batch_tokens: int) -> TokenBudget:
     a, t, seq = cfg.algo, cfg.train, _sequence_tokens(cfg)
     updates = a.epochs_per_rollout * t.prompt_batch_size // max(t.mini_batch_size, 1)
     trained_seqs = t.prompt_batch_size * a.group_size
     gen_prompts = _generation_prompts(cfg)
+    per_token = 0
+    if spec.moe is not None and cfg.actor.routing_replay == "r3":
+        per_token = spec.num_layers * spec.moe.top_k * route_dtype(spec.moe.num_experts).itemsize
     return TokenBudget(
+        route_bytes_per_step_max=trained_seqs * seq * per_token,
+        route_bytes_per_dp_rank_max=trained_seqs * seq // max(dp, 1) * per_token,
         sequence_tokens_max=seq,
         trained_sequences_per_step=trained_seqs,
         trained_tokens_per_step_max=trained_seqs * seq,

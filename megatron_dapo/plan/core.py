@@ -231,6 +231,10 @@ class TokenBudget:
     updates_per_step: int
     sequences_per_update: int
     micro_batches_per_update_per_dp_rank_max: int
+    route_bytes_per_step_max: int = 0
+    """actor.routing_replay=r3: the rollout's routes of the trained tokens (every layer's top-k, uint8 up to 256
+    experts), scattered with their rows and held beside them on each DP rank (0 otherwise)."""
+    route_bytes_per_dp_rank_max: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -184,4 +184,6 @@ def _token_lines(plan: Plan) -> list[str]:
         f"  updates     {tok.updates_per_step} optimizer update(s) per step "
         f"({tok.sequences_per_update} sequences each, "
         f"<= {tok.micro_batches_per_update_per_dp_rank_max} micro-batches per DP rank)",
-    ]
+    ] + ([f"  routes      r3: the rollout's routes of the trained tokens, {_g(tok.route_bytes_per_step_max)} GiB "
+          f"per step ({_g(tok.route_bytes_per_dp_rank_max)} GiB per DP rank, scattered and held with its rows)"]
+         if tok.route_bytes_per_step_max else [])

@@ -71,6 +71,9 @@ class SamplingParams:
     """Do not stop on the model's EOS token(s) (stop_token_ids still apply); as SGLang's ignore_eos."""
     seed: int | None = None
     """Seeds sampling: the same seed, prompts and engine settings give the same samples."""
+    return_routes: bool = False
+    """A mixture-of-experts model's routing of every token it read (Sample.routes), as SGLang's
+    return_routed_experts: rollout routing replay (actor.routing_replay=r3) trains on it."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -7,9 +7,10 @@ from pathlib import Path
 TAGS = ("val/acc_avg_at_k", "val/response_length_mean", "actor/entropy", "response_length/mean",
         "response_length/clip_ratio", "rollout/kept_group_frac", "rollout/gen_rounds", "rollout/samples_total",
         "train/acc_mean", "train/reward_mean", "actor/clipfrac_high", "actor/clipfrac_low", "actor/mean_token_prob",
-        "timing/step_s")
+        "timing/step_s", "tool/calls_per_sample", "tool/error_frac", "rollout/void_turn_frac", "rollout/turns_mean",
+        "val/tool_calls_per_sample", "val/void_turn_frac")
 """What a study keeps of every run: the paper's panels (validation accuracy, actor entropy, mean
-response length, kept-group fraction) and what explains them."""
+response length, kept-group fraction) and what explains them; with a tool, its call rate and void turns."""
 
 
 def read_curves(logdir: Path, tags: tuple[str, ...] = TAGS) -> dict[str, list[list[float]]]:

@@ -32,30 +32,37 @@ def late(curve: list[list[float]]) -> float:
     return sum(tail) / len(tail) if tail else float("nan")
 
 
-def run_summary(result: dict[str, Any], target: float) -> dict[str, Any]:
+def run_summary(result: dict[str, Any], target: float, extra: Sequence[str] = ()) -> dict[str, Any]:
     """One run's numbers: start / final validation accuracy, when it reached `target` (step and
-    responses generated), its late entropy, length, truncated fraction, steps run."""
+    responses generated), its late entropy, length, truncated fraction, steps run, and the late mean of
+    every tag of `extra` (under the tag)."""
     c = result["curves"]
     acc, samples = c.get(ACC, []), c.get(SAMPLES, [])
     hit = first_reaching(acc, target)
     return {"start": acc[0][1] if acc else float("nan"), "final": acc[-1][1] if acc else float("nan"),
             "steps_to_target": hit, "responses_to_target": (at(samples, hit) or 0.0) if hit is not None else None,
             "entropy": late(c.get(ENTROPY, [])), "length": late(c.get(LENGTH, [])), "truncated": late(c.get(TRUNC, [])),
-            "steps": int(acc[-1][0]) if acc else 0}
+            "steps": int(acc[-1][0]) if acc else 0, **{tag: late(c.get(tag, [])) for tag in extra}}
+
+
+def _late_tags(study: Study) -> list[str]:
+    return [tag for tag, _ in study.late]
 
 
 def _by_variant(study: Study, results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     groups: dict[str, list[dict[str, Any]]] = {v.key: [] for v in study.variants}
     for r in results:
-        groups.setdefault(r["variant"], []).append({**run_summary(r, study.target), "seed": r["seed"]})
+        groups.setdefault(r["variant"], []).append({**run_summary(r, study.target, _late_tags(study)), "seed": r["seed"]})
     return groups
 
 
 def table(study: Study, results: list[dict[str, Any]]) -> str:
     """Markdown: one row per variant, mean ± std over its seeds."""
     t = f"{study.target:.2f}"
+    more = "".join(f" {label} (late) |" for _, label in study.late)
     lines = [f"| variant | val acc start | val acc final | steps to {t} (reached) | responses to {t} | "
-             "entropy (late) | length (late) | truncated (late) | steps |", "|---|---|---|---|---|---|---|---|---|"]
+             f"entropy (late) | length (late) | truncated (late) | steps |{more}",
+             "|---|---|---|---|---|---|---|---|---|" + "---|" * len(study.late)]
     groups = _by_variant(study, results)
     for v in study.variants:
         rs = groups[v.key]
@@ -65,20 +72,23 @@ def table(study: Study, results: list[dict[str, Any]]) -> str:
             return mean_std([float(r[key]) for r in rows], digits)
         lines.append(f"| {v.label} | {col('start')} | {col('final')} | {col('steps_to_target', 1, hits)} "
                      f"({len(hits)}/{len(rs)}) | {col('responses_to_target', 0, hits)} | {col('entropy')} | "
-                     f"{col('length', 1)} | {col('truncated')} | {col('steps', 1)} |")
+                     f"{col('length', 1)} | {col('truncated')} | {col('steps', 1)} |"
+                     + "".join(f" {col(tag)} |" for tag in _late_tags(study)))
     return "\n".join(lines)
 
 
 def contrasts(study: Study, results: list[dict[str, Any]]) -> str:
     """Markdown: each contrast's on - off difference per seed (paired), mean ± std."""
     groups = _by_variant(study, results)
-    lines = ["| contrast | Δ val acc final | Δ entropy (late) | Δ length (late) | Δ steps run | seeds |",
-             "|---|---|---|---|---|---|"]
+    more = "".join(f" Δ {label} (late) |" for _, label in study.late)
+    lines = [f"| contrast | Δ val acc final | Δ entropy (late) | Δ length (late) | Δ steps run |{more} seeds |",
+             "|---|---|---|---|---|---|" + "---|" * len(study.late)]
     for c in study.contrasts:
         off = {r["seed"]: r for r in groups.get(c.off, [])}
         on = {r["seed"]: r for r in groups.get(c.on, [])}
         cols = [_paired_delta(on, off, key, digits) for key, digits in (("final", 3), ("entropy", 3),
-                                                                        ("length", 1), ("steps", 1))]
+                                                                        ("length", 1), ("steps", 1),
+                                                                        *((tag, 3) for tag in _late_tags(study)))]
         lines.append(f"| {c.label} | {' | '.join(cols)} | {len(on.keys() & off.keys())} |")
     return "\n".join(lines)
 
@@ -94,7 +104,7 @@ def write_json(study: Study, results: list[dict[str, Any]], path: Path, **extra:
            "target": study.target, **extra,
            "variants": [{"key": v.key, "label": v.label, "overrides": list(v.overrides)} for v in study.variants],
            "contrasts": [{"label": c.label, "off": c.off, "on": c.on} for c in study.contrasts],
-           "runs": [{**r, "summary": run_summary(r, study.target)} for r in results]}
+           "runs": [{**r, "summary": run_summary(r, study.target, _late_tags(study))} for r in results]}
     path.write_text(json.dumps(doc, indent=1) + "\n")
 
 
@@ -134,7 +144,7 @@ def plot(study: Study, results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for ax, (tag, x, ylabel) in zip(axes.flat, PANELS):
+    for ax, (tag, x, ylabel) in zip(axes.flat, study.panels or PANELS):
         for i, v in enumerate(study.variants):
             style = dict(color=f"C{i}", linestyle="--" if i >= 6 else "-")
             xys = [_xy(r, tag, x) for r in results if r["variant"] == v.key]

@@ -73,6 +73,10 @@ def ensure_base(study: Study, extra: tuple[str, ...], seconds: float | None) -> 
         from megatron_dapo.tiny.steps_base import ensure_steps_base
 
         return ensure_steps_base(hf_dir, seconds)
+    if study.base == "tool":
+        from megatron_dapo.tiny.tool_base import ensure_tool_base
+
+        return ensure_tool_base(hf_dir, seconds)
     from megatron_dapo.tiny import Settings, ensure_tiny_base
 
     return ensure_tiny_base(hf_dir, Settings.seconds if seconds is None else seconds)

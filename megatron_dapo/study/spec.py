@@ -43,7 +43,7 @@ class Study:
     config: str
     """The config every run starts from (repository-relative)."""
     base: str
-    """Which base model the config's model.hf_dir holds, built on first use: "tiny" or "steps"."""
+    """Which base model the config's model.hf_dir holds, built on first use: "tiny", "steps" or "tool"."""
     seeds: tuple[int, ...]
     budget: int
     """Responses generated per run (train.rollout_budget): the equal rollout budget."""
@@ -55,6 +55,10 @@ class Study:
     """Applied to every run, after the config and before the variant."""
     max_steps: int = 1000
     """Upper bound on steps (the budget stops every run first)."""
+    late: tuple[tuple[str, str], ...] = ()
+    """(tag, column label) of more per-step monitors the table and the contrasts report (their late mean)."""
+    panels: tuple[tuple[str, str, str], ...] = ()
+    """The figure's panels (tag, x = "step" or a cumulative tag, y label); () = the paper's (report.PANELS)."""
 
 
 def merged(*deltas: list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -92,4 +96,31 @@ def tiny() -> Study:
                  overrides=("eval.every_steps=4", "rollout.streaming=false"))  # rounds, as it was measured
 
 
-STUDIES = {"dapo-small": dapo_small, "tiny": tiny}
+def tool() -> Study:
+    """Tool-integrated DAPO on the tool base (3-digit products; a Python block in 40% of its warm-start answers):
+    accuracy and the tool-call rate over training, and SimpleTIR's void-turn filter on DAPO (off -> on)."""
+    calls, void = "tool/calls_per_sample", "rollout/void_turn_frac"
+    dapo = Variant(key="dapo", label="DAPO with the Python tool", overrides=("algo.void_turn_filter=false",))
+    void_filter = Variant(key="dapo_void", label="+ void-turn filter (SimpleTIR)",
+                          overrides=("algo.void_turn_filter=true",))
+    return Study(name="tool", config="examples/configs/tiny_tool_cpu.yaml", base="tool", seeds=(1, 2, 3),
+                 budget=TOOL_BUDGET, target=0.4, variants=(dapo, void_filter),
+                 contrasts=(Contrast(label="void-turn filter: off -> on (rest DAPO)", off="dapo", on="dapo_void"),),
+                 overrides=TOOL_OVERRIDES,
+                 late=((calls, "tool calls / sample"), (void, "void-turn frac"), ("tool/error_frac", "tool error frac"),
+                       ("train/acc_mean", "train acc")),
+                 panels=(("val/acc_avg_at_k", "step", "validation accuracy (avg@k)"),
+                         ("train/acc_mean", "step", "training accuracy (sampled)"),
+                         (calls, "step", "tool calls per sample (training)"),
+                         ("val/tool_calls_per_sample", "step", "tool calls per sample (validation)"),
+                         (void, "step", "void-turn fraction (training)"),
+                         ("response_length/mean", "step", "mean response length (tokens)")))
+
+
+TOOL_BUDGET = 6144
+"""Responses per run of the tool study: 48 rounds of 16 prompts x 8 (about 40 steps; 7-8 s each here)."""
+TOOL_OVERRIDES = ("train.prompt_batch_size=16", "train.mini_batch_size=8", "eval.every_steps=3", "eval.max_prompts=32")
+"""The tool study's runs: half the config's batch (two CPU cores), evaluated every 3 steps."""
+
+
+STUDIES = {"dapo-small": dapo_small, "tiny": tiny, "tool": tool}

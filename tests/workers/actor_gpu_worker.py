@@ -1,7 +1,8 @@
 """Run by tests/test_actor_gpu.py on a CUDA machine with Transformer Engine: the TE layer spec in bf16
-(thd-packed and right-padded) beside the local spec in fp32, on the same HF weights.
+(thd-packed and right-padded) beside the local spec in fp32, on the same HF weights; with `moe`, a MoE model's
+grouped experts (TE's GroupedLinear) beside the sequential ones, both in the TE spec in bf16.
 
-    PYTHONPATH=tests:. python tests/workers/actor_gpu_worker.py HF_DIR OUT_PT
+    PYTHONPATH=tests:. python tests/workers/actor_gpu_worker.py HF_DIR OUT_PT [moe]
 
 A file, not a string in the test, so the type check reads it.
 """
@@ -18,6 +19,27 @@ from workers.actor_worker import fixed_batch, make_cfg
 CASES: list[tuple[str, Literal["local", "transformer_engine"], Literal["float32", "bfloat16"]]] = [
     ("local", "local", "float32"), ("te", "transformer_engine", "bfloat16"),
     ("te_padded", "transformer_engine", "bfloat16")]
+
+
+def moe(hf_dir: str, out: str) -> None:
+    from megatron_dapo.actor.hf_mapping import Naming
+    from workers.actor_worker import hf_tensors
+
+    cfg = make_cfg(1, 1)
+    parallel.initialize(cfg.parallel, seed=7)
+    cfg.model.transformer_impl, cfg.model.dtype = "transformer_engine", "bfloat16"
+    res: dict[str, object] = {}
+    for experts in ("sequential", "grouped"):
+        cfg.model.moe_experts = experts  # type: ignore[assignment]
+        actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor)
+        res[experts + "_naming"] = Naming.of(n for n, _ in actor.module.named_parameters())
+        res[experts + "_export"] = hf_tensors(actor)
+        b = fixed_batch()
+        res[experts] = logprobs = actor.compute_logprobs(b)
+        b.old_logprobs = logprobs[0]
+        res[experts + "_metrics"] = actor.train_step(b)
+        res[experts + "_after"] = hf_tensors(actor)
+    torch.save(res, out)
 
 
 def main(hf_dir: str, out: str) -> None:
@@ -40,4 +62,4 @@ def main(hf_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    (moe if sys.argv[3:] == ["moe"] else main)(sys.argv[1], sys.argv[2])

@@ -8,7 +8,8 @@ CASE "train": the actor's DAPO updates of tests/workers/actor_worker.py (clippin
 CASE "uneven": the EP ranks' rows pack into different numbers of micro-batches (4 and 2): the pi_old pass of each
 rank's own rows and one update, with the packed counts.
 CASE "replay": actor.routing_replay=r2, one update of the batch (routes included) saved in $REPLAY_BATCH, this
-rank's rows and this stage's MoE layers of its routes.
+rank's rows and this stage's MoE layers of its routes. "replay_r3": routing_replay=r3, the batch's routes of every
+layer replayed in the pi_old pass and the update.
 CASE "checkpoint": HF_DIRs are converted checkpoints: the actor loads each (load_checkpoint, weights only),
 saves the verification logits and exports it with save_hf_checkpoint to OUT_DIR/<name>_export.
 """
@@ -68,16 +69,22 @@ def uneven(hf_dir: str, cfg) -> dict:
     return {"packed": packed, "logprobs": logprobs, "metrics": metrics, "grads": hf_tensors(actor, grads=True)}
 
 
-def replay(hf_dir: str, cfg) -> dict:
+def replay(hf_dir: str, cfg, mode: str = "r2") -> dict:
+    """r2: the update replays this stage's layers of the batch's routes. r3: the batch holds routes of every layer,
+    as a rollout returns them; the pi_old pass (all rows) and the update replay them (the actor takes its stage's)."""
     import os
 
-    cfg.actor.routing_replay = "r2"
+    cfg.actor.routing_replay = mode
     cfg.actor.micro_batch_tokens = 24
     actor = Actor.from_hf(hf_dir, cfg.model, cfg.parallel, cfg.actor)
     batch = torch.load(os.environ["REPLAY_BATCH"], weights_only=False)
-    layers = batch.routes.shape[2] // parallel.pp_size()
-    batch.routes = batch.routes[:, :, parallel.pp_rank() * layers:(parallel.pp_rank() + 1) * layers]
-    return {"metrics": actor.train_step(dp_rows(batch))}
+    out = {}
+    if mode == "r2":
+        layers = batch.routes.shape[2] // parallel.pp_size()
+        batch.routes = batch.routes[:, :, parallel.pp_rank() * layers:(parallel.pp_rank() + 1) * layers]
+    else:
+        out["old_logprobs"] = actor.compute_logprobs(batch, record_routes=True)[0]
+    return {**out, "metrics": actor.train_step(dp_rows(batch))}
 
 
 def main() -> None:
@@ -91,8 +98,8 @@ def main() -> None:
         name = Path(hf_dir).name
         if case == "logits":
             result["models"][name] = logits_and_export(hf_dir, cfg)
-        elif case == "replay":
-            result["models"][name] = replay(hf_dir, cfg)
+        elif case in ("replay", "replay_r3"):
+            result["models"][name] = replay(hf_dir, cfg, "r3" if case == "replay_r3" else "r2")
         elif case == "uneven":
             result["models"][name] = uneven(hf_dir, cfg)
         elif case == "checkpoint":

@@ -37,6 +37,7 @@ from megatron_dapo.rollout.base import (
     RolloutStream,
     SamplingParams,
 )
+from megatron_dapo.rollout.embedded.routes import read_routes
 from megatron_dapo.rollout.embedded.sampling import counter_uniforms, sample_next
 from megatron_dapo.rollout.embedded.slots import RowDecoder
 from megatron_dapo.types import FinishReason, Sample
@@ -169,10 +170,11 @@ class EmbeddedStream(RolloutStream):
                     samples[k] = request.initial(k)
         return out
 
-    def _sample(self, row: _Row, reason: FinishReason) -> Sample:
+    def _sample(self, row: _Row, reason: FinishReason, routes: Tensor | None = None) -> Sample:
         prompt = self._groups[row.key].request.prompt_ids
         return Sample(prompt_ids=list(prompt), response_ids=list(row.tokens),
-                      rollout_logprobs=list(row.logprobs), finish_reason=reason)
+                      rollout_logprobs=list(row.logprobs), finish_reason=reason,
+                      routes=read_routes(routes, len(prompt) + len(row.tokens)))
 
     def close(self) -> None:
         """Abort what is pending and hand the (empty) decoder back to the engine for its next stream."""
@@ -208,17 +210,19 @@ class EmbeddedStream(RolloutStream):
         done = hit | (self._count >= self._max_new)
         if bool(done.any()):
             for i in done.nonzero().squeeze(1).tolist():
-                self._finish(self._rows[i], stopped=bool(hit[i]))
+                row = self._rows[i]
+                wants = self._groups[row.key].request.sampling.return_routes
+                self._finish(row, stopped=bool(hit[i]), routes=self._decoder.routes(i) if wants else None)
             order = self._decoder.release(done)
             self._rows = [self._rows[i] for i in order.tolist()]
             self._seed, self._count = self._seed[order], self._count[order]
             self._max_new, self._stop, tokens = self._max_new[order], self._stop[order], tokens[order]
         self._logits = self._decoder.step(tokens) if self._decoder.rows else None
 
-    def _finish(self, row: _Row, stopped: bool) -> None:
+    def _finish(self, row: _Row, stopped: bool, routes: Tensor | None) -> None:
         with self._queue_lock:
             group = self._groups[row.key]
-            group.samples[row.index] = self._sample(row, "stop" if stopped else "length")
+            group.samples[row.index] = self._sample(row, "stop" if stopped else "length", routes)
             group.generated += len(row.tokens) - row.start
             group.left -= 1
             if group.left == 0:

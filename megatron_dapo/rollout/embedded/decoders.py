@@ -9,12 +9,15 @@
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
+
+from megatron_dapo.rollout.embedded.routes import RouteTape, moe_routers
 
 _LLAMA_LIKE = ("llama", "qwen2", "qwen3")
 
@@ -29,6 +32,9 @@ class Decoder(Protocol):
     def step(self, tokens: Tensor) -> Tensor:
         """Append one token per row [B] -> next-token logits [B, V]."""
 
+    def routes(self, row: int) -> Tensor | None:
+        """A mixture-of-experts model's routes of batch row `row` at every position it read (None: dense)."""
+
 
 def _positions(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -41,11 +47,16 @@ class HFDecoder:
         self.model, self.max_len = model, max_len
         params = inspect.signature(model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._routers = moe_routers(model)
+        self.tape: RouteTape | None = None
+        """A mixture-of-experts model's routes of every row and position (routes.py)."""
 
-    def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor) -> Tensor:
+    def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor, start: int) -> Tensor:
         kwargs = {self.cache_kw: self.cache}
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                         logits_to_keep=1, **kwargs)
+        rows, width = ids.shape
+        with self.tape.reading(rows, width, start) if self.tape is not None else nullcontext():
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                             logits_to_keep=1, **kwargs)
         return out.logits[:, -1]
 
     def prefill(self, ids: Tensor, mask: Tensor) -> Tensor:
@@ -53,20 +64,27 @@ class HFDecoder:
         self.cache = DynamicCache(config=self.model.config)
         self.mask = torch.zeros(b, self.max_len, dtype=torch.long, device=ids.device)
         self.mask[:, :s] = mask
+        self.tape = RouteTape(self._routers, b, self.max_len) if self._routers else None
         pos = _positions(mask)
         self.length, self.pos = s, pos[:, -1] + 1
-        return self._forward(ids, self.mask[:, :s], pos)
+        return self._forward(ids, self.mask[:, :s], pos, 0)
 
     def select(self, rows: Tensor) -> None:
         self.cache.batch_select_indices(rows)
         self.mask, self.pos = self.mask[rows], self.pos[rows]
+        if self.tape is not None:
+            self.tape.select(rows)
 
     def step(self, tokens: Tensor) -> Tensor:
         self.mask[:, self.length] = 1
-        logits = self._forward(tokens[:, None], self.mask[:, : self.length + 1], self.pos[:, None])
+        logits = self._forward(tokens[:, None], self.mask[:, : self.length + 1], self.pos[:, None], self.length)
         self.length += 1
         self.pos = self.pos + 1
         return logits
+
+    def routes(self, row: int) -> Tensor | None:
+        """Row `row`'s routes at every position it read, in order (None for a dense model)."""
+        return None if self.tape is None else self.tape.row(row, self.mask[row])
 
 
 def _rms_norm(norm: torch.nn.Module, x: Tensor) -> Tensor:
@@ -102,6 +120,9 @@ class LlamaDecoder:
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self._rope_tables(max_len)
+
+    def routes(self, row: int) -> Tensor | None:
+        return None  # dense models only (llama_fast_path_ok)
 
     def _rope_tables(self, max_len: int) -> None:
         """cos / signed sin [max_len, D] for positions 0 .. max_len - 1."""

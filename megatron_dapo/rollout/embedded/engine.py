@@ -41,6 +41,7 @@ from megatron_dapo.rollout.base import (
 from megatron_dapo.rollout.embedded.checkpoint_names import checkpoint_views
 from megatron_dapo.rollout.embedded.continuous import EmbeddedStream
 from megatron_dapo.rollout.embedded.decoders import Decoder, HFDecoder, LlamaDecoder, llama_fast_path_ok
+from megatron_dapo.rollout.embedded.routes import read_routes
 from megatron_dapo.rollout.embedded.sampling import sample_next
 from megatron_dapo.rollout.embedded.slots import RowDecoder, SlotDecoder, WaveDecoder
 from megatron_dapo.types import Sample
@@ -168,17 +169,22 @@ class EmbeddedEngine(RolloutEngine):
             rows = torch.tensor([slot[p] for p, _ in chunk], device=self.device)
             decoder.select(rows)
             logits = logits.index_select(0, rows)
-        tokens, logprobs, lengths, stopped = self._decode(decoder, logits, sampling, stop_ids, generator)
+        routes: list[Tensor | None] = [None] * len(chunk)
+        tokens, logprobs, lengths, stopped = self._decode(decoder, logits, sampling, stop_ids, generator,
+                                                          routes if sampling.return_routes else None)
         return [
             Sample(prompt_ids=list(prompts[p]), response_ids=tokens[r, : lengths[r]].tolist(),
                    rollout_logprobs=logprobs[r, : lengths[r]].tolist(),
-                   finish_reason="stop" if stopped[r] else "length")
+                   finish_reason="stop" if stopped[r] else "length",
+                   routes=read_routes(routes[r], len(prompts[p]) + int(lengths[r])))
             for r, (p, _) in enumerate(chunk)
         ]
 
     def _decode(self, decoder: Decoder, logits: Tensor, sampling: SamplingParams, stop_ids: Tensor,
-                generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Decode until every row stopped or max_new_tokens; rows keep their index in the outputs."""
+                generator: torch.Generator, routes: list[Tensor | None] | None = None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Decode until every row stopped or max_new_tokens; rows keep their index in the outputs. `routes`: each
+        output row's routes are stored there (a MoE model's) before its batch row is dropped."""
         num_rows, max_new = logits.shape[0], sampling.max_new_tokens
         tokens = torch.zeros(num_rows, max_new, dtype=torch.long, device=self.device)
         logprobs = torch.zeros(num_rows, max_new, dtype=torch.float32, device=self.device)
@@ -200,9 +206,15 @@ class EmbeddedEngine(RolloutEngine):
                 raise GenerationAborted(f"aborted after {t + 1} tokens, {num_running} rows unfinished")
             if num_running < _COMPACT_BELOW * len(rows):
                 keep = running.nonzero().squeeze(1)
+                if routes is not None:
+                    for i in (~running).nonzero().squeeze(1).tolist():
+                        routes[int(rows[i])] = decoder.routes(i)
                 decoder.select(keep)
                 rows, running, next_tokens = rows[keep], running[keep], next_tokens[keep]
             logits = decoder.step(next_tokens)
+        if routes is not None:
+            for i, row in enumerate(rows.tolist()):
+                routes[row] = decoder.routes(i)
         return tokens.cpu(), logprobs.cpu(), lengths.cpu(), stopped.cpu()
 
     def stream(self) -> RolloutStream:

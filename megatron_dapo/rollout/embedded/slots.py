@@ -62,6 +62,9 @@ class RowDecoder(Protocol):
     def release(self, done: Tensor) -> Tensor:
         """Drop the rows where `done` [rows] is set; returns `order`: new row i was row order[i]."""
 
+    def routes(self, row: int) -> Tensor | None:
+        """A mixture-of-experts model's routes of running row `row` at every position it read (None: dense)."""
+
 
 class SlotDecoder(LlamaDecoder):
     """Continuous batching over the model's own Llama-family weights (see the module docstring)."""
@@ -216,6 +219,9 @@ class WaveDecoder:
 
     def step(self, tokens: Tensor) -> Tensor:
         return self._decoder.step(tokens)
+
+    def routes(self, row: int) -> Tensor | None:
+        return None if self._decoder is None else self._decoder.routes(row)
 
     def release(self, done: Tensor) -> Tensor:
         keep = (~done).nonzero().squeeze(1)

@@ -65,7 +65,13 @@ from megatron_dapo.rollout.sglang.server import SGLangServer, SGLangServerError
 from megatron_dapo.rollout.sglang.stream import SGLangStream
 from megatron_dapo.rollout.sglang.transport import WeightBroadcastGroup
 from megatron_dapo.rollout.sglang.updates import NodeSyncCounts, NodeWeightSync
-from megatron_dapo.rollout.sglang.wire import cut_at_stop, generate_body, parse_generate_response
+from megatron_dapo.rollout.sglang.wire import (
+    RouteShape,
+    cut_at_stop,
+    generate_body,
+    parse_generate_response,
+    route_shape,
+)
 from megatron_dapo.types import Sample
 
 
@@ -123,8 +129,10 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         cfg = cfg or SGLangConfig()
         self.bucket_bytes = int((bucket_mb or DEFAULT_BUCKET_MB[cfg.weight_sync]) * 2**20)
         self._shapes = checkpoint_shapes(str(model_path))
-        vocab = (read_model_config(str(model_path)) or {}).get("vocab_size")
+        hf_config = read_model_config(str(model_path)) or {}
+        vocab = hf_config.get("vocab_size")
         self.vocab_size = vocab if isinstance(vocab, int) else None  # sampled ids beyond it: NaN logits
+        self.route_shape = route_shape(hf_config)
         self._released: set[str] = set()  # memory tags released (see sleep)
         self._tags_ok = True  # the server takes memory tags (SGLang >= 0.4.6); else whole release only
         self._memory_sizes: dict[str, int] | None = None
@@ -171,10 +179,15 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         payload = self.post("/generate", body)
         if self._abort.is_set():
             raise GenerationAborted(f"generate on {self.url} was aborted")
-        samples = parse_generate_response(payload, requests, vocab_size=self.vocab_size)
+        samples = parse_generate_response(payload, requests, vocab_size=self.vocab_size,
+                                          routes=self.routes_of(sampling))
         if cut_at:
             samples = [cut_at_stop(s, cut_at) for s in samples]
         return [samples[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
+
+    def routes_of(self, sampling: SamplingParams) -> RouteShape | None:
+        """The routes' shape when `sampling` asks for them (None: not asked, or a dense model: no routes)."""
+        return self.route_shape if sampling.return_routes else None
 
     def stream(self, concurrency: int = 256) -> RolloutStream:
         """Concurrent per-group /generate calls, at most `concurrency` at once (stream.py)."""

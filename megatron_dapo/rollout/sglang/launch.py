@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from megatron_dapo.rollout.sglang.wire import ROUTES_FLAG
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_VENV_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
@@ -71,4 +73,6 @@ def launch_command(server: Any, dtype: str, colocate: bool, max_total_tokens: in
         cmd.append(f"--api-key={server.api_key}")  # one token: a key may begin with "-"
     if server.deterministic and server.device != "cpu" and DETERMINISTIC_FLAG not in user:
         cmd.append(DETERMINISTIC_FLAG)  # the CPU engine (torch_native) refuses it: CPU samples are not seeded
+    if server.return_routes and ROUTES_FLAG not in user:
+        cmd.append(ROUTES_FLAG)
     return cmd + user

@@ -78,10 +78,13 @@ class SGLangServer:
         api_key: str | None = None,
         threads: int | None = None,
         deterministic: bool = False,
+        return_routes: bool = False,
     ) -> None:
         self.cfg = cfg or SGLangConfig()
         self.deterministic = deterministic
         """train.deterministic: SGLang's deterministic inference (DETERMINISTIC_FLAG; on a GPU only)."""
+        self.return_routes = return_routes
+        """actor.routing_replay=r3: the server captures every token's routed experts (wire.ROUTES_FLAG)."""
         self.api_key = api_key
         """Sent as `Authorization: Bearer` with every request; a started server gets `--api-key`."""
         self.threads = threads

@@ -8,14 +8,17 @@ for the three weight transports.
 
 from __future__ import annotations
 
+import base64
 import math
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from megatron_dapo.rollout.base import GenerationAborted, NonFiniteLogitsError, SamplingParams
-from megatron_dapo.types import FinishReason, Sample
+from megatron_dapo.types import FinishReason, Sample, route_dtype
 
 _ALIGN = 64
 """Byte alignment of each tensor inside a flat bucket (any dtype can be viewed in place)."""
@@ -84,7 +87,8 @@ def generate_body(prompts: Sequence[Sequence[int]], n: int, sampling: SamplingPa
     if sampling.seed is not None:
         seeds = [(sampling.seed + k) % 2**63 for k in range(len(requests))]
         sampling_params = [dict(params, sampling_seed=seed) for seed in seeds]
-    body: dict[str, Any] = {"input_ids": requests, "sampling_params": sampling_params, "return_logprob": True}
+    body: dict[str, Any] = {"input_ids": requests, "sampling_params": sampling_params, "return_logprob": True,
+                            **_route_fields(sampling)}
     if rids is not None:
         if len(rids) != len(requests):
             raise ValueError(f"{len(rids)} rids for {len(requests)} requests")
@@ -117,8 +121,55 @@ def continue_body(prompt: Sequence[int], samples: Sequence[tuple[int, Sample]], 
             p["sampling_seed"] = (sampling.seed + k) % 2**63
         per_request.append(p)
     inputs = [list(prompt) + list(s.response_ids) for _, s in samples]
-    body = {"input_ids": inputs, "sampling_params": per_request, "return_logprob": True, "rid": list(rids)}
+    body = {"input_ids": inputs, "sampling_params": per_request, "return_logprob": True, "rid": list(rids),
+            **_route_fields(sampling)}
     return body, cut_at
+
+
+def _route_fields(sampling: SamplingParams) -> dict[str, Any]:
+    """SGLang's routed-experts capture (needs a server started with ROUTES_FLAG): routes of every position from
+    0 (routed_experts_start_len) to the sequence's end less one, the prompt's included."""
+    return {"return_routed_experts": True, "routed_experts_start_len": 0} if sampling.return_routes else {}
+
+
+ROUTES_FLAG = "--enable-return-routed-experts"
+
+
+@dataclass(frozen=True)
+class RouteShape:
+    """A MoE model's routes per token: its MoE layers, each one's top-k, of how many experts."""
+
+    layers: int
+    top_k: int
+    num_experts: int
+
+
+def route_shape(hf_config: dict[str, Any]) -> RouteShape | None:
+    """A MoE model's RouteShape from its config.json (every layer a MoE layer, as actor/model.py requires);
+    None for a dense model."""
+    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
+    if not experts:
+        return None
+    return RouteShape(layers=int(hf_config["num_hidden_layers"]), top_k=int(hf_config["num_experts_per_tok"]),
+                      num_experts=int(experts))
+
+
+def parse_routes(meta: dict[str, Any], request: int, tokens: int, shape: RouteShape) -> torch.Tensor:
+    """meta_info["routed_experts"] (base64 of int32 [tokens, layers, top_k], SGLang's detokenizer's encoding) ->
+    [tokens, layers, top_k] of Sample.routes' dtype. `tokens`: the positions the request read (prompt + output
+    - 1)."""
+    raw = meta.get("routed_experts")
+    if not isinstance(raw, str):
+        raise ValueError(f"request {request}: no routed_experts in the answer (a server started without "
+                         f"{ROUTES_FLAG}?)")
+    flat = torch.from_numpy(np.frombuffer(base64.b64decode(raw), dtype=np.int32).copy())
+    per = shape.layers * shape.top_k
+    if flat.numel() != tokens * per:
+        raise ValueError(f"request {request}: {flat.numel()} routed experts for {tokens} positions x "
+                         f"{shape.layers} layers x top-{shape.top_k}")
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= shape.num_experts):
+        raise ValueError(f"request {request}: routed experts outside [0, {shape.num_experts})")
+    return flat.view(tokens, shape.layers, shape.top_k).to(route_dtype(shape.num_experts))
 
 
 def generated_tokens(payload: Any) -> int:
@@ -128,14 +179,14 @@ def generated_tokens(payload: Any) -> int:
 
 
 def parse_generate_response(payload: Any, prompts: Sequence[Sequence[int]], aborted_ok: bool = False,
-                            vocab_size: int | None = None) -> list[Sample]:
+                            vocab_size: int | None = None, routes: RouteShape | None = None) -> list[Sample]:
     """SGLang /generate JSON (one dict per request, in request order) -> Samples.
 
     Raises GenerationAborted if any request finished with type "abort" (`aborted_ok`: such a request is a
     Sample with finish_reason "abort" and the tokens it has logprobs for), ValueError on a malformed
     payload (the message names the request index), NonFiniteLogitsError when a logprob is NaN/inf (SGLang's
     JSON writes them as null) or a token id lies outside [0, `vocab_size`): what a server samples from NaN
-    logits.
+    logits. `routes`: the requests asked for their routed experts (Sample.routes; parse_routes).
     """
     items = payload if isinstance(payload, list) else [payload]
     if len(items) != len(prompts):
@@ -159,12 +210,14 @@ def parse_generate_response(payload: Any, prompts: Sequence[Sequence[int]], abor
             raise ValueError(f"request {i}: logprob token ids do not match output_ids")
         _check_finite(i, out_ids, [lp for lp, *_ in lps], vocab_size)
         finish: FinishReason = reason
+        read = len(prompt) + len(out_ids) - 1
         samples.append(
             Sample(
                 prompt_ids=list(prompt),
                 response_ids=out_ids,
                 rollout_logprobs=[float(lp) for lp, *_ in lps],
                 finish_reason=finish,
+                routes=None if routes is None or reason == "abort" else parse_routes(meta, i, read, routes),
             )
         )
     return samples
@@ -186,6 +239,8 @@ def cut_at_stop(sample: Sample, stop: set[int]) -> Sample:
             sample.response_ids = sample.response_ids[: i + 1]
             sample.rollout_logprobs = sample.rollout_logprobs[: i + 1]
             sample.finish_reason = "stop"
+            if sample.routes is not None:
+                sample.routes = sample.routes[: len(sample.prompt_ids) + i]
             break
     return sample
 

@@ -75,6 +75,25 @@ def lose_released_memory(module) -> None:
     cls.release_memory_occupation = release_memory_occupation
 
 
+HOST_POOL = "sglang.srt.mem_cache.pool_host.common"
+
+
+def register_nothing(module) -> None:
+    """`--enable-return-routed-experts` (rollout routing replay, r3) keeps the routes in a pinned host buffer that
+    SGLang registers with cudaHostRegister; on the CPU engine there is no device to pin for, and the call needs a
+    CUDA driver. The buffer is plain host memory, as registration only speeds a device's copies into it."""
+    original = module._cuda_host_register
+    if getattr(original, "_megatron_dapo_cpu_patch", False):
+        return
+
+    @functools.wraps(original)
+    def _cuda_host_register(buffer, registration_granularity_bytes=None):
+        return None
+
+    _cuda_host_register._megatron_dapo_cpu_patch = True
+    module._cuda_host_register = _cuda_host_register
+
+
 def _weights_backup() -> bool:
     from sglang.srt.runtime_context import get_exec
 
@@ -99,7 +118,7 @@ class _CpuShimFinder(importlib.abc.MetaPathFinder):
         self._busy = False
 
     def find_spec(self, fullname, path=None, target=None):
-        if self._busy or fullname not in ("sglang", "sgl_kernel", WEIGHT_UPDATER):
+        if self._busy or fullname not in ("sglang", "sgl_kernel", WEIGHT_UPDATER, HOST_POOL):
             return None
         self._busy = True  # the checks below import torch; do not re-enter for it
         try:
@@ -110,10 +129,11 @@ class _CpuShimFinder(importlib.abc.MetaPathFinder):
                 self._patched = True
             if fullname == "sglang":
                 return None  # the real sglang loads normally; we only needed the patch first
-            if fullname == WEIGHT_UPDATER:
+            if fullname in (WEIGHT_UPDATER, HOST_POOL):
                 spec = importlib.machinery.PathFinder.find_spec(fullname, path)
                 if spec is not None:
-                    spec.loader = _PatchAfterLoad(spec.loader, lose_released_memory)
+                    patch = lose_released_memory if fullname == WEIGHT_UPDATER else register_nothing
+                    spec.loader = _PatchAfterLoad(spec.loader, patch)
                 return spec
             if importlib.machinery.PathFinder.find_spec("sgl_kernel") is not None:
                 return None  # a real sgl_kernel build is installed: use it

@@ -1,0 +1,81 @@
+"""The embedded engine reports a mixture-of-experts model's routing (SamplingParams.return_routes, SGLang's
+return_routed_experts): for every token it read, prompt and response, the experts each layer's router picked.
+Reference: transformers' own routers over the whole sample in one forward (no cache, no padding, no batch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dapo.rollout.base import GroupRequest, SamplingParams
+from megatron_dapo.rollout.embedded.engine import EmbeddedEngine
+from megatron_dapo.tiny import tiny_model
+
+PROMPTS = [[5, 9, 3, 7, 11, 2, 8], [4, 6], [10, 12, 14, 3, 1]]
+
+
+def _forward_routes(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """([tokens, layers, k] the routers' picks, [tokens, layers] the gap between the k-th and k+1-th
+    probability) over `ids` in one forward."""
+    picks, gaps, hooks = [], [], []
+
+    def hook(_m, _i, out):
+        probs = out[0].float().softmax(-1).sort(-1, descending=True).values
+        picks.append(out[2])
+        gaps.append(probs[:, _m.top_k - 1] - probs[:, _m.top_k])
+
+    for layer in model.model.layers:
+        hooks.append(layer.mlp.gate.register_forward_hook(hook))
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return torch.stack(picks, 1), torch.stack(gaps, 1)
+
+
+def _check(model, samples, *, top_k: int) -> int:
+    """Every sample's routes equal the reference's where the choice is not a near-tie; returns positions checked."""
+    checked = 0
+    for s in samples:
+        ids = s.prompt_ids + s.response_ids
+        assert s.routes is not None and s.routes.dtype == torch.uint8
+        assert tuple(s.routes.shape) == (len(ids) - 1, len(model.model.layers), top_k)
+        ref, gap = _forward_routes(model, ids)
+        clear = gap[: len(ids) - 1] > 1e-4
+        same = (s.routes.long().sort(-1).values == ref[: len(ids) - 1].sort(-1).values).all(-1)
+        assert bool(same[clear].all()), (s.routes, ref)
+        checked += int(clear.sum())
+    return checked
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return tiny_model("qwen3_moe", seed=0)
+
+
+def test_generate_reports_every_read_tokens_experts(moe):
+    engine = EmbeddedEngine(moe)
+    out = engine.generate(PROMPTS, 3, SamplingParams(temperature=1.0, max_new_tokens=9, seed=3, return_routes=True))
+    samples = [s for group in out for s in group]
+    assert {s.finish_reason for s in samples} <= {"stop", "length"}
+    assert _check(moe, samples, top_k=moe.config.num_experts_per_tok) > 0.9 * sum(
+        len(s.prompt_ids) + s.response_len - 1 for s in samples) * len(moe.model.layers)
+    plain = engine.generate(PROMPTS, 3, SamplingParams(temperature=1.0, max_new_tokens=9, seed=3))
+    assert all(s.routes is None for g in plain for s in g)
+    assert [[s.response_ids for s in g] for g in plain] == [[s.response_ids for s in g] for g in out]
+
+
+def test_a_stream_reports_them_too(moe):
+    engine = EmbeddedEngine(moe)
+    stream = engine.stream()
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=7, seed=11, return_routes=True)
+    stream.submit([GroupRequest(key=i, prompt_ids=p, n=2, sampling=sampling) for i, p in enumerate(PROMPTS)])
+    samples = [s for _ in PROMPTS for s in stream.next().samples]
+    stream.close()
+    assert _check(moe, samples, top_k=moe.config.num_experts_per_tok) > 0
+
+
+def test_a_dense_model_has_no_routes():
+    out = EmbeddedEngine(tiny_model("qwen3", seed=0)).generate(
+        PROMPTS[:1], 1, SamplingParams(max_new_tokens=4, seed=1, return_routes=True))
+    assert out[0][0].routes is None
