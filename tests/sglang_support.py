@@ -221,3 +221,12 @@ def max_logprob_diff(model, groups) -> float:
         for s in g
     ]
     return float(torch.stack(diffs).max())
+
+
+def trainer_cmd(base, tmp_path, run: str, *overrides: str) -> list[str]:
+    """`python -m megatron_dapo.train` on the session's tiny base (`base`) with SGLang rollouts: test_train's
+    small two-step settings, then `overrides` (later ones win)."""
+    from support import train_cmd
+
+    return train_cmd(base, tmp_path, run, "rollout.engine=sglang", "train.steps=2", "checkpoint.save_every=0",
+                     "checkpoint.export_hf=false", *overrides)

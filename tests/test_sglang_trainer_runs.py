@@ -1,6 +1,6 @@
 """Training runs on real SGLang servers on CPU (`-m sglang`): an async trainer with a server of its own,
-torchrun with the distributed weight transport and multi-turn tool rollouts, three nodes each starting one, two servers, one of them
-killed mid-rollout and restarted while the run goes on (issue 38), and r3 routing replay on a Qwen3-MoE server (issue 35). Split from test_rollout_sglang_servers.py
+torchrun with the distributed weight transport and multi-turn tool rollouts, three nodes each starting one, and two servers, one of them
+killed mid-rollout and restarted while the run goes on (issue 38). Split from test_rollout_sglang_servers.py
 so that the two long files run on two workers."""
 
 from __future__ import annotations
@@ -11,16 +11,7 @@ import signal
 import time
 
 import pytest
-from sglang_support import SGLANG_TIMEOUT, server_ports
-
-
-def _trainer_cmd(base, tmp_path, run: str, *overrides: str) -> list[str]:
-    """`python -m megatron_dapo.train` on the session's tiny base (`base`) with SGLang rollouts: test_train's
-    small two-step settings, then `overrides` (later ones win)."""
-    from support import train_cmd
-
-    return train_cmd(base, tmp_path, run, "rollout.engine=sglang", "train.steps=2", "checkpoint.save_every=0",
-                     "checkpoint.export_hf=false", *overrides)
+from sglang_support import SGLANG_TIMEOUT, server_ports, trainer_cmd
 
 
 @pytest.mark.sglang
@@ -34,7 +25,7 @@ def test_async_trainer_generates_the_next_batch_on_a_server_of_its_own(sglang_py
 
     from megatron_dapo.metrics import read_scalars
 
-    cmd = _trainer_cmd(base_dir, tmp_path, "async", f"rollout.sglang.base_port={server_ports()}",
+    cmd = trainer_cmd(base_dir, tmp_path, "async", f"rollout.sglang.base_port={server_ports()}",
                        "rollout.colocate=false",
                        "rollout.async_steps=1", "train.steps=3", "eval.every_steps=0")
     env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python}
@@ -66,7 +57,7 @@ def test_torchrun_trainer_with_the_distributed_weight_transport_and_tool_calls(s
     tools = ["rollout.streaming=false", "rollout.tools.name=echo_tool:run", "rollout.tools.code_open=Answer: ",
              "rollout.tools.code_close=2", "rollout.tools.max_output_tokens=4", "algo.void_turn_filter=true",
              "logging.samples_every=1"]
-    cmd = _trainer_cmd(base_dir, tmp_path, "torchrun", f"rollout.sglang.base_port={server_ports()}",
+    cmd = trainer_cmd(base_dir, tmp_path, "torchrun", f"rollout.sglang.base_port={server_ports()}",
                        "rollout.sglang.weight_sync=distributed", "rollout.colocate=false",
                        "eval.every_steps=0", *tools)
     assert cmd[1:3] == ["-m", "megatron_dapo.train"]
@@ -99,7 +90,7 @@ def test_three_nodes_each_start_a_server_and_rank0_drives_all(sglang_python, bas
     from megatron_dapo.metrics import read_scalars
     from megatron_dapo.parallel import free_port as free_master_port
 
-    cmd = _trainer_cmd(base_dir, tmp_path, "nodes3", f"rollout.sglang.base_port={server_ports(3)}",
+    cmd = trainer_cmd(base_dir, tmp_path, "nodes3", f"rollout.sglang.base_port={server_ports(3)}",
                        "parallel.backend=gloo",
                        "train.prompt_batch_size=6", "train.mini_batch_size=3", "eval.every_steps=0")
     master = str(free_master_port())
@@ -144,7 +135,7 @@ def test_a_server_killed_mid_rollout_is_restarted_and_the_run_trains_full_batche
     port = server_ports(2)
     # dynamic sampling off: every step streams exactly its 8 groups, so a group lost in the restart shows (with it
     # on, the session's 8 s base keeps ~20% of its groups and a step may spend its budget, restart or not)
-    cmd = _trainer_cmd(base_dir, tmp_path, "restart", "rollout.sglang.num_servers=2", f"rollout.sglang.base_port={port}",
+    cmd = trainer_cmd(base_dir, tmp_path, "restart", "rollout.sglang.num_servers=2", f"rollout.sglang.base_port={port}",
                        "eval.every_steps=0", "algo.dynamic_sampling=false")
     env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python, "TMPDIR": str(tmp_path)}
     log = tmp_path / "megatron-dapo-sglang" / f"sglang-127.0.0.1-{port + 1}.log"
@@ -173,34 +164,3 @@ def test_a_server_killed_mid_rollout_is_restarted_and_the_run_trains_full_batche
     assert max(tb["rollout/train_rollout_logprob_absdiff"].values()) < 1e-4
     assert set(tb["perf/weight_sync_bytes"]) == {1, 2} and min(tb["perf/weight_sync_bytes"].values()) > 0
 
-
-@pytest.mark.sglang
-@SGLANG_TIMEOUT
-def test_r3_trains_on_the_routes_an_sglang_server_returns(sglang_python, tmp_path, python_env):
-    """actor.routing_replay=r3 on a real SGLang CPU server serving the tiny Qwen3-MoE: the trainer starts it with
-    --enable-return-routed-experts, every sample comes back with its routes (base64 int32 in meta_info), and the
-    actor's pi_old pass replays them: its own routers agree with the server's on nearly every (token, layer), and
-    its logprobs stay at the server's (fp32)."""
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    from megatron_dapo.metrics import read_scalars
-    from megatron_dapo.tiny.moe_base import ensure_moe_base
-
-    base = ensure_moe_base(tmp_path / "moe_base", seconds=4)
-    port = server_ports()
-    cmd = _trainer_cmd(base, tmp_path, "r3", f"rollout.sglang.base_port={port}", "actor.routing_replay=r3",
-                       "reward.name=length_reward:even_length", "eval.every_steps=0", "algo.dynamic_sampling=false")
-    workers = Path(__file__).parent / "workers"
-    env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python,
-           "PYTHONPATH": f"{workers}{os.pathsep}{python_env['PYTHONPATH']}"}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
-    assert r.returncode == 0, r.stderr[-6000:]
-    assert "routing replay r3" in r.stderr
-    log = Path(tempfile.gettempdir()) / "megatron-dapo-sglang" / f"sglang-127.0.0.1-{port}.log"
-    assert "--enable-return-routed-experts" in log.read_text()
-    tb = read_scalars(tmp_path / "tb" / "r3")
-    assert set(tb["moe/rollout_routing_agreement"]) == {1, 2}
-    assert min(tb["moe/rollout_routing_agreement"].values()) > 0.95, tb["moe/rollout_routing_agreement"]
-    assert max(tb["rollout/train_rollout_logprob_absdiff"].values()) < 1e-3

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
               "update routing agreement |\n|---|---|---|---|---|")
         for mode in ("none", "r2", "r3"):
             for i, r in enumerate(results[mode]):
-                print(f"| {mode} | {i + 1} | {r['rollout_routing_agreement']:.4f} | {r['logprob_gap']:.5f} | "
+                print(f"| {mode} | {i + 1} | {r['rollout_routing_agreement']:.4f} | {r['logprob_gap']:.2e} | "
                       f"{r['update_routing_agreement']:.4f} |")
     return 0
 
