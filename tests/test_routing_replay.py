@@ -236,12 +236,12 @@ local spec's torch norms refuse sequence parallelism (Transformer Engine's take 
 and gather of the routes, RouteKeeper, meet their first test on a GPU)."""
 
 
-@pytest.mark.parametrize("mode", ["r2", "r3"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_replay_is_exact_at_ep2_and_pp2(hf_dir, tmp_path, env, layout, mode):
+def test_replay_is_exact_at_ep2_and_pp2(hf_dir, tmp_path, env, layout):
     """Each layout's update replays the forced routes (its TP slice of the tokens, its DP rows, its stage's layers):
-    ratio 1 against transformers' forced policy on every rank, the loss the advantages alone give. r3: the routes of
-    every layer, as a rollout returns them; the pi_old pass replays them too and computes that forced policy."""
+    ratio 1 against transformers' forced policy on every rank, the loss the advantages alone give. r2 (this stage's
+    layers of the routes) and r3 (every layer's, as a rollout returns them: the pi_old pass replays them too and
+    computes that forced policy), one after the other in one launch."""
     import subprocess
     import sys
     from pathlib import Path
@@ -256,17 +256,17 @@ def test_replay_is_exact_at_ep2_and_pp2(hf_dir, tmp_path, env, layout, mode):
     tp, pp, ep = LAYOUTS[layout]
     worker = Path(__file__).parent / "workers" / "moe_worker.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(worker), "replay" if mode == "r2" else "replay_r3", str(hf_dir), str(tmp_path), str(tp), str(pp), str(ep)]
+           str(worker), "replay", str(hf_dir), str(tmp_path), str(tp), str(pp), str(ep)]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**env, "REPLAY_BATCH": str(tmp_path / "batch.pt")},
                        timeout=300)
     assert r.returncode == 0, r.stderr[-5000:]
     loss = -(batch.advantages[:, None] * batch.loss_mask).sum().item() / batch.loss_mask.sum().item()
+    valid = torch.arange(batch.input_ids.shape[1])[None, 1:] < batch.lengths[:, None]
     for rank in range(2):
         res = torch.load(tmp_path / f"rank_{rank}.pt", weights_only=False)["models"][hf_dir.name]
-        m = res["metrics"]
-        if mode == "r3":
-            valid = torch.arange(batch.input_ids.shape[1])[None, 1:] < batch.lengths[:, None]
-            assert torch.allclose(res["old_logprobs"][:, 1:][valid], batch.old_logprobs[:, 1:][valid], atol=1e-5)
-        assert m["approx_kl"] < 1e-10 and m["clipfrac_high"] == m["clipfrac_low"] == 0.0, (layout, m)
-        assert m["loss"] == pytest.approx(loss, abs=1e-6)
-        assert m["moe/routing_agreement"] < 0.5
+        assert torch.allclose(res["r3"]["old_logprobs"][:, 1:][valid], batch.old_logprobs[:, 1:][valid], atol=1e-5)
+        for mode in ("r2", "r3"):
+            m = res[mode]["metrics"]
+            assert m["approx_kl"] < 1e-10 and m["clipfrac_high"] == m["clipfrac_low"] == 0.0, (layout, mode, m)
+            assert m["loss"] == pytest.approx(loss, abs=1e-6)
+            assert m["moe/routing_agreement"] < 0.5

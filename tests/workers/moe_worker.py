@@ -8,8 +8,8 @@ CASE "train": the actor's DAPO updates of tests/workers/actor_worker.py (clippin
 CASE "uneven": the EP ranks' rows pack into different numbers of micro-batches (4 and 2): the pi_old pass of each
 rank's own rows and one update, with the packed counts.
 CASE "replay": actor.routing_replay=r2, one update of the batch (routes included) saved in $REPLAY_BATCH, this
-rank's rows and this stage's MoE layers of its routes. "replay_r3": routing_replay=r3, the batch's routes of every
-layer replayed in the pi_old pass and the update.
+rank's rows and this stage's MoE layers of its routes; then routing_replay=r3 on a fresh actor, the batch's routes
+of every layer replayed in the pi_old pass and the update.
 CASE "checkpoint": HF_DIRs are converted checkpoints: the actor loads each (load_checkpoint, weights only),
 saves the verification logits and exports it with save_hf_checkpoint to OUT_DIR/<name>_export.
 """
@@ -98,8 +98,8 @@ def main() -> None:
         name = Path(hf_dir).name
         if case == "logits":
             result["models"][name] = logits_and_export(hf_dir, cfg)
-        elif case in ("replay", "replay_r3"):
-            result["models"][name] = replay(hf_dir, cfg, "r3" if case == "replay_r3" else "r2")
+        elif case == "replay":
+            result["models"][name] = {mode: replay(hf_dir, cfg, mode) for mode in ("r2", "r3")}
         elif case == "uneven":
             result["models"][name] = uneven(hf_dir, cfg)
         elif case == "checkpoint":
