@@ -79,3 +79,16 @@ def test_a_dense_model_has_no_routes():
     out = EmbeddedEngine(tiny_model("qwen3", seed=0)).generate(
         PROMPTS[:1], 1, SamplingParams(max_new_tokens=4, seed=1, return_routes=True))
     assert out[0][0].routes is None
+
+
+def test_the_process_engine_brings_them_back_from_its_child(moe, tmp_path):
+    """rollout.colocate=false: the engine's child process records the routes and they cross the pipe intact."""
+    from megatron_dapo.rollout.embedded.process_engine import ProcessEngine
+
+    moe.save_pretrained(tmp_path)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seed=5, return_routes=True)
+    with ProcessEngine(tmp_path, threads=1) as engine:
+        remote = engine.generate(PROMPTS, 2, sampling)
+    local = EmbeddedEngine(moe).generate(PROMPTS, 2, sampling)
+    for a, b in zip((s for g in remote for s in g), (s for g in local for s in g)):
+        assert a.response_ids == b.response_ids and torch.equal(a.routes, b.routes)
