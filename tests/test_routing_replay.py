@@ -270,3 +270,14 @@ def test_replay_is_exact_at_ep2_and_pp2(hf_dir, tmp_path, env, layout):
             assert m["approx_kl"] < 1e-10 and m["clipfrac_high"] == m["clipfrac_low"] == 0.0, (layout, mode, m)
             assert m["loss"] == pytest.approx(loss, abs=1e-6)
             assert m["moe/routing_agreement"] < 0.5
+
+
+@pytest.mark.parametrize("override, named", [("rollout.partial_rollout=true", "rollout.partial_rollout"),
+                                             ("rollout.async_steps=1", "rollout.async_steps=1"),
+                                             ("rollout.tools.name=python", "rollout.tools")])
+def test_r3_is_refused_where_a_sample_carries_tokens_the_rollout_did_not_route(override, named):
+    from megatron_dapo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=f"actor.routing_replay=r3 does not work with {named}"):
+        load_config(None, ["actor.routing_replay=r3", override])
+    assert load_config(None, ["actor.routing_replay=r3"]).actor.routing_replay == "r3"  # validated alone
