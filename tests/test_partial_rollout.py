@@ -272,6 +272,9 @@ class ScriptedServer:
     def dead_reason(self):
         return None
 
+    def routes_of(self, sampling):  # SGLangEngine's: a dense model has none
+        return None
+
     def _http(self, *a, **k):
         return {}
 

@@ -48,15 +48,11 @@ def _ep() -> tuple[int, int]:
     return (parallel.ep_rank(), parallel.ep_size()) if dist.is_initialized() else (0, 1)
 
 
-def _naming(model: torch.nn.Module) -> Naming:
-    return Naming.of(n for n, _ in model.named_parameters())
-
-
 def _rules_for(model: torch.nn.Module, spec: ModelSpec) -> list[TensorRule]:
     """This rank's rules (its stage, its experts), checked against the model's parameter names."""
     (pp_rank, pp_size), (ep_rank, ep_size) = _stage(), _ep()
     names = {n for n, _ in model.named_parameters()}
-    naming = _naming(model)
+    naming = Naming.of(names)
     rules = stage_rules(spec, pp_rank, pp_size, te=naming.te, grouped=naming.grouped, ep_rank=ep_rank, ep_size=ep_size)
     mapped = {r.megatron_name for r in rules}
     if names != mapped:
@@ -102,7 +98,7 @@ def export_hf_weights(model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtyp
     params = dict(model.named_parameters())
     mine = {(r.expert, r.hf_names): params[r.megatron_name] for r in _rules_for(model, spec)}
     like = _data(next(iter(params.values())), grads)
-    naming = _naming(model)
+    naming = Naming.of(params)
     for rule in stage_rules(spec, *_stage(), te=naming.te, grouped=naming.grouped):  # the stage's HF view: all experts
         if not rule.exported:
             continue

@@ -281,6 +281,9 @@ class RouteKeeper:
         if self._mode is None:
             self.routers.off()
             return
+        if self._mode == "record" and (mb.routes is None or mb.filler):
+            self.routers.record()
+            return
         n, length = mb.model_shape
         k, layers = self.routers.top_k, len(self.routers)
         if mb.routes is None or mb.filler:
@@ -330,10 +333,6 @@ class RouteKeeper:
         if many:
             dist.all_reduce(sums)
             dist.all_reduce(load, op=dist.ReduceOp.MAX)
-        agreeing, replayed, rollout_agreeing, rollout_compared = sums.tolist()
-        out = {"moe/expert_load_max_over_mean": float(load.item())}
-        if replayed:
-            out["moe/routing_agreement"] = agreeing / replayed
-        if rollout_compared:
-            out["moe/rollout_routing_agreement"] = rollout_agreeing / rollout_compared
-        return out
+        agreeing, replayed, rollout_agreeing, rollout_compared = (int(x) for x in sums.tolist())
+        totals = RoutingStats(agreeing, replayed, torch.zeros(0, 0), rollout_agreeing, rollout_compared)
+        return {"moe/expert_load_max_over_mean": float(load.item()), **totals.scalars()}  # the ratios of all ranks

@@ -118,7 +118,7 @@ def tool() -> Study:
 
 
 TOOL_BUDGET = 6144
-"""Responses per run of the tool study: 48 rounds of 16 prompts x 8 (about 40 steps; 7-8 s each here)."""
+"""Responses per run of the tool study: 48 rounds of 16 prompts x 8 (about 25 steps under dynamic sampling)."""
 TOOL_OVERRIDES = ("train.prompt_batch_size=16", "train.mini_batch_size=8", "eval.every_steps=3", "eval.max_prompts=32")
 """The tool study's runs: half the config's batch (two CPU cores), evaluated every 3 steps."""
 

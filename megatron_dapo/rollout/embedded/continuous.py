@@ -252,7 +252,8 @@ class EmbeddedStream(RolloutStream):
         fresh.sort(key=lambda row: (rank[row[0]], row[1]))
         prompts = [groups[key].request.prompt_ids for key in counts] + [
             (*groups[key].request.prompt_ids, *p.response_ids) for key, _, p in resumed]
-        logits = self._decoder.admit(prompts, list(counts.values()) + [1] * len(resumed))
+        record = any(g.request.sampling.return_routes for g in groups.values())
+        logits = self._decoder.admit(prompts, list(counts.values()) + [1] * len(resumed), record)
         self._logits = logits if self._logits is None else torch.cat([self._logits, logits])
         self._rows += [_Row(key, index) for key, index in fresh] + [
             _Row(key, k, list(p.response_ids), list(p.rollout_logprobs), p.response_len)

@@ -33,7 +33,8 @@ class Decoder(Protocol):
         """Append one token per row [B] -> next-token logits [B, V]."""
 
     def routes(self, row: int) -> Tensor | None:
-        """A mixture-of-experts model's routes of batch row `row` at every position it read (None: dense)."""
+        """A mixture-of-experts model's routes of batch row `row` at every position it read, when the decoder was
+        built with record_routes (else None, as for a dense model)."""
 
 
 def _positions(mask: Tensor) -> Tensor:
@@ -43,13 +44,13 @@ def _positions(mask: Tensor) -> Tensor:
 class HFDecoder:
     """Generic path: the model's forward with explicit position ids and a transformers cache."""
 
-    def __init__(self, model: PreTrainedModel, max_len: int) -> None:
+    def __init__(self, model: PreTrainedModel, max_len: int, record_routes: bool = False) -> None:
         self.model, self.max_len = model, max_len
         params = inspect.signature(model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._routers = moe_routers(model)
+        self._routers = moe_routers(model) if record_routes else []
         self.tape: RouteTape | None = None
-        """A mixture-of-experts model's routes of every row and position (routes.py)."""
+        """With `record_routes`, a mixture-of-experts model's routes of every row and position (routes.py)."""
 
     def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor, start: int) -> Tensor:
         kwargs = {self.cache_kw: self.cache}
@@ -83,7 +84,7 @@ class HFDecoder:
         return logits
 
     def routes(self, row: int) -> Tensor | None:
-        """Row `row`'s routes at every position it read, in order (None for a dense model)."""
+        """Row `row`'s routes at every position it read, in order (None for a dense model or unrecorded)."""
         return None if self.tape is None else self.tape.row(row, self.mask[row])
 
 
@@ -115,7 +116,8 @@ def llama_fast_path_ok(model: PreTrainedModel) -> bool:
 class LlamaDecoder:
     """Llama-family decode over the model's own weights with a static KV cache [B, Hkv, L, D]."""
 
-    def __init__(self, model: PreTrainedModel, max_len: int) -> None:
+    def __init__(self, model: PreTrainedModel, max_len: int, record_routes: bool = False) -> None:
+        """`record_routes` is taken for the Decoder protocol: a dense model routes nothing."""
         cfg, self.model, self.inner = model.config, model, model.model
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

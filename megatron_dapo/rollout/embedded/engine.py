@@ -162,7 +162,8 @@ class EmbeddedEngine(RolloutEngine):
                         generator: torch.Generator) -> list[Sample]:
         unique = list(dict.fromkeys(p for p, _ in chunk))
         ids, mask = _left_pad([prompts[p] for p in unique], self.device)
-        decoder = self._decoder_cls(self.model, ids.shape[1] + sampling.max_new_tokens)
+        decoder = self._decoder_cls(self.model, ids.shape[1] + sampling.max_new_tokens,
+                                    record_routes=sampling.return_routes)
         logits = decoder.prefill(ids, mask)
         if len(unique) < len(chunk):  # copy each prompt's KV cache to its sample rows
             slot = {p: i for i, p in enumerate(unique)}

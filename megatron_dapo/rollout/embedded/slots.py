@@ -52,9 +52,10 @@ class RowDecoder(Protocol):
     def reserve(self, max_len: int, rows: int) -> None:
         """Room for `rows` running rows of up to `max_len` tokens (prompt + response), budget permitting."""
 
-    def admit(self, prompts: Sequence[Sequence[int]], copies: Sequence[int]) -> Tensor:
+    def admit(self, prompts: Sequence[Sequence[int]], copies: Sequence[int], record_routes: bool = False) -> Tensor:
         """Prefill each prompt once and append copies[i] rows of prompt i (prompt-major, after the running
-        rows); returns the new rows' next-token logits [sum(copies), V]."""
+        rows); returns the new rows' next-token logits [sum(copies), V]. `record_routes`: keep the new rows'
+        routes (a mixture-of-experts model's; `routes`)."""
 
     def step(self, tokens: Tensor) -> Tensor:
         """Feed one token per running row [rows] -> next-token logits [rows, V]."""
@@ -104,7 +105,7 @@ class SlotDecoder(LlamaDecoder):
         if max_len > self.max_len:
             self._rope_tables(max_len)
 
-    def admit(self, prompts: Sequence[Sequence[int]], copies: Sequence[int]) -> Tensor:
+    def admit(self, prompts: Sequence[Sequence[int]], copies: Sequence[int], record_routes: bool = False) -> Tensor:
         device = self.cos.device
         lengths = [len(p) for p in prompts]
         if max(lengths) > self.max_len:
@@ -199,7 +200,7 @@ class WaveDecoder:
     def reserve(self, max_len: int, rows: int) -> None:
         self.max_len = max(self.max_len, max_len)
 
-    def admit(self, prompts: Sequence[Sequence[int]], copies: Sequence[int]) -> Tensor:
+    def admit(self, prompts: Sequence[Sequence[int]], copies: Sequence[int], record_routes: bool = False) -> Tensor:
         if self.rows:
             raise ValueError("WaveDecoder.admit: rows are still running")
         device = self.model.device
@@ -209,7 +210,7 @@ class WaveDecoder:
         for i, p in enumerate(prompts):  # left-padded, as the blocking path
             ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
             mask[i, width - len(p):] = True
-        self._decoder = HFDecoder(self.model, width + self.max_len)
+        self._decoder = HFDecoder(self.model, width + self.max_len, record_routes)
         logits = self._decoder.prefill(ids, mask)
         src = torch.repeat_interleave(torch.arange(len(prompts), device=device),
                                       torch.as_tensor(list(copies), device=device))

@@ -189,8 +189,7 @@ class SGLangStream(RolloutStream):
         payload = self._server.post("/generate", body)
         new = parse_generate_response(payload, [r.prompt_ids] * len(todo), aborted_ok=True,
                                       vocab_size=self._server.vocab_size,
-                                      routes=self._server.routes_of(r.sampling)
-                                      if r.sampling.return_routes and not r.resume else None)
+                                      routes=None if r.resume else self._server.routes_of(r.sampling))
         if cut_at:  # a carried-in response holds no stop token: only the new tokens are cut
             new = [cut_at_stop(s, cut_at) for s in new]
         samples = list(r.resume) or [None] * r.n
