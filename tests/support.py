@@ -64,6 +64,24 @@ def run(cmd, env, timeout=600):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+def launch_plan(worker: Path, nproc: int, entries: list[dict], env: dict, timeout: float = 600) -> list[list[dict]]:
+    """Several runs of a torchrun worker (`worker plan PLAN_JSON`; tests/workers/actor_worker.py's run_plan) in one
+    launch of `nproc` ranks; each entry's "out" folder gets its rank_<i>.pt. Returns each entry's results by rank."""
+    import json
+
+    from megatron_dapo.parallel import free_port
+
+    for e in entries:
+        Path(e["out"]).mkdir(parents=True, exist_ok=True)
+    plan = Path(entries[0]["out"]).parent / f"plan_{Path(entries[0]['out']).name}.json"
+    plan.write_text(json.dumps([{k: str(v) if isinstance(v, Path) else v for k, v in e.items()} for e in entries]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), str(worker), "plan", str(plan)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return [[torch.load(Path(e["out"]) / f"rank_{i}.pt", weights_only=False) for i in range(nproc)] for e in entries]
+
+
 def error_lines(stderr: str) -> list[str]:
     """stderr without log records (and their indented continuation lines, e.g. the start-up summary) and
     progress bars: what the user is told."""

@@ -2,16 +2,14 @@
 on, tied and untied embeddings, several updates), the token-level update, checkpoints. Multi-rank cases
 run tests/workers/actor_worker.py under torchrun (gloo)."""
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support import launch_plan
 from workers.actor_worker import GRAD_CLIP, LR, UPDATES, VOCAB, fixed_batch, old_logprob_offset
 
-from megatron_dapo.parallel import free_port
 from megatron_dapo.tiny import save_tiny_model
 
 WORKER = Path(__file__).parent / "workers" / "actor_worker.py"
@@ -33,18 +31,6 @@ LAYOUTS = {  # name: (tp, pp, nproc, models, extra env)
     "dp2_distopt_bf16": (1, 1, 2, ["untied"], {"DAPO_TEST_DISTOPT": "1", "DAPO_TEST_DTYPE": "bfloat16"}),
 }
 CKPT_LAYOUTS = ("tp1", "tp2", "dp2_distopt", "tp1_bf16", "tp2_bf16", "dp2_distopt_bf16")
-
-
-def run_layout(case, hf_dirs, out_dir, tp=1, pp=1, nproc=1, ckpt=None, env=None, timeout=400):
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), str(WORKER), case, ",".join(map(str, hf_dirs)), str(out_dir),
-           str(tp), str(pp)]
-    if ckpt is not None:
-        cmd.append(str(ckpt))
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return [torch.load(out_dir / f"rank_{i}.pt", weights_only=False)["models"] for i in range(nproc)]
 
 
 def merged(results, model, key):
@@ -87,13 +73,35 @@ def reference(hf_dirs):
 
 @pytest.fixture(scope="module")
 def layouts(hf_dirs, tmp_path_factory, env):
+    """Every layout's "train" run, one torchrun launch per world size."""
     root = tmp_path_factory.mktemp("layouts")
-    runs = {"root": root}
-    for name, (tp, pp, nproc, models, extra) in LAYOUTS.items():
-        ckpt = root / f"ckpt_{name}" if name in CKPT_LAYOUTS else None
-        runs[name] = run_layout("train", [hf_dirs[m] for m in models], root / name, tp=tp, pp=pp, nproc=nproc,
-                                ckpt=ckpt, env={**env, **extra})
+    runs: dict[str, Any] = {"root": root}
+    for nproc in sorted({spec[2] for spec in LAYOUTS.values()}):
+        names = [name for name, spec in LAYOUTS.items() if spec[2] == nproc]
+        entries = [{"case": "train", "hf_dirs": [str(hf_dirs[m]) for m in LAYOUTS[name][3]], "out": root / name,
+                    "tp": LAYOUTS[name][0], "pp": LAYOUTS[name][1], "env": LAYOUTS[name][4],
+                    "ckpt": str(root / f"ckpt_{name}") if name in CKPT_LAYOUTS else None} for name in names]
+        for layout, ranks in zip(names, launch_plan(WORKER, nproc, entries, env)):
+            runs[layout] = [r["models"] for r in ranks]
     return runs
+
+
+@pytest.fixture(scope="module")
+def loads(hf_dir, layouts, env):
+    """Each checkpoint of CKPT_LAYOUTS loaded at its own layout, tp2's at TP1 ("tp2_as_tp1"), and the single-rank
+    "learn" and "nan" cases from the HF folder: one launch per world size."""
+    root, out = layouts["root"], {}
+    jobs = {name: ("load", LAYOUTS[name], f"ckpt_{name}") for name in CKPT_LAYOUTS}
+    jobs.update({"tp2_as_tp1": ("load", LAYOUTS["tp1"], "ckpt_tp2"), "learn": ("learn", LAYOUTS["tp1"], None),
+                 "nan": ("nan", LAYOUTS["tp1"], None)})
+    for nproc in (1, 2):
+        names = [name for name, (_, spec, _) in jobs.items() if spec[2] == nproc]
+        entries = [{"case": jobs[job][0], "hf_dirs": [str(hf_dir)], "out": root / f"{jobs[job][0]}_{job}",
+                    "tp": jobs[job][1][0], "pp": jobs[job][1][1], "env": jobs[job][1][4],
+                    "ckpt": jobs[job][2] and str(root / jobs[job][2])} for job in names]
+        for job, ranks in zip(names, launch_plan(WORKER, nproc, entries, env)):
+            out[job] = [r["models"] for r in ranks]
+    return out
 
 
 def _shifted(t):
@@ -185,14 +193,11 @@ def test_token_level_exactness_dp2_split(layouts):
 
 
 @pytest.mark.parametrize("layout", CKPT_LAYOUTS)
-def test_checkpoint_exact_continuation(hf_dir, layouts, env, layout):
+def test_checkpoint_exact_continuation(layouts, loads, layout):
     """Saved after one update, loaded into a fresh actor at the same layout: the next updates' losses and the
     logprobs are bit-identical, in fp32 and bf16 (the GPU dtype), with the plain and the distributed
     optimizer (bf16 used to fail at the first save; the distributed optimizer could never be loaded)."""
-    tp, pp, nproc, _, extra = LAYOUTS[layout]
-    res = run_layout("load", [hf_dir], layouts["root"] / f"load_{layout}", tp=tp, pp=pp, nproc=nproc,
-                     ckpt=layouts["root"] / f"ckpt_{layout}", env={**env, **extra})
-    for got, saved in zip(res, layouts[layout]):
+    for got, saved in zip(loads[layout], layouts[layout]):
         assert got["untied"]["next_losses"] == saved["untied"]["next_losses"]
         assert torch.equal(got["untied"]["logprobs"], saved["untied"]["logprobs_after"])
 
@@ -243,17 +248,16 @@ def test_bf16_update_agrees_across_layouts(layouts, layout):
         assert (params[name].float() - p.float()).abs().max() <= 2 * LR + 2 ** -7 * p.float().abs().max(), name
 
 
-def test_checkpoint_reshard_tp2_to_tp1(hf_dir, layouts, env):
-    res = run_layout("load", [hf_dir], layouts["root"] / "load_tp2_as_tp1", ckpt=layouts["root"] / "ckpt_tp2",
-                     env=env)[0]["untied"]
+def test_checkpoint_reshard_tp2_to_tp1(layouts, loads):
+    res = loads["tp2_as_tp1"][0]["untied"]
     saved = layouts["tp2"][0]["untied"]
     valid = fixed_batch().lengths[:, None] > torch.arange(16)[None]
     assert (res["logprobs"] - saved["logprobs_after"])[valid].abs().max() < 1e-5
     assert res["next_losses"] == pytest.approx(saved["next_losses"], rel=1e-4)
 
 
-def test_train_step_lowers_the_loss(hf_dir, tmp_path, env):
-    losses = run_layout("learn", [hf_dir], tmp_path, env=env)[0]["untied"]["losses"]
+def test_train_step_lowers_the_loss(loads):
+    losses = loads["learn"][0]["untied"]["losses"]
     assert losses[-1] < losses[0] - 0.05, losses
 
 
@@ -267,8 +271,8 @@ def test_checkpoints_are_atomic_and_pruned(layouts):
     assert latest_checkpoint(layouts["root"] / "missing") is None
 
 
-def test_nonfinite_loss_skips_the_update(hf_dir, tmp_path, env):
-    res = run_layout("nan", [hf_dir], tmp_path, env=env)[0]["untied"]
+def test_nonfinite_loss_skips_the_update(loads):
+    res = loads["nan"][0]["untied"]
     assert res["metrics"]["nonfinite"] == 1.0 and res["metrics"]["update_ok"] == 0.0
     assert res["unchanged"]
     assert res["metrics_next"]["update_ok"] == 1.0  # the next healthy step trains normally

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from support import launch_plan
 from workers.actor_worker import GRAD_CLIP, LR, VOCAB, fixed_batch, old_logprob_offset
 
 from megatron_dapo.parallel import free_port
@@ -100,9 +101,14 @@ def test_every_top_k_choice_is_unambiguous(hf_dirs):
 
 @pytest.fixture(scope="module")
 def logits_runs(hf_dirs, tmp_path_factory, env):
-    root = tmp_path_factory.mktemp("logits")
-    return {name: run_worker("logits", [hf_dirs[m] for m in models], root / name, tp, pp, ep, ranks, env)
-            for name, (tp, pp, ep, ranks, models) in LOGIT_LAYOUTS.items()}
+    root, runs = tmp_path_factory.mktemp("logits"), dict[str, list[dict]]()
+    for nproc in (1, 2):  # one launch per world size
+        names = [name for name, spec in LOGIT_LAYOUTS.items() if spec[3] == nproc]
+        entries = [{"case": "logits", "hf_dirs": [str(hf_dirs[m]) for m in LOGIT_LAYOUTS[name][4]],
+                    "out": root / name, "tp": LOGIT_LAYOUTS[name][0], "pp": LOGIT_LAYOUTS[name][1],
+                    "ep": LOGIT_LAYOUTS[name][2]} for name in names]
+        runs.update(zip(names, launch_plan(WORKER, nproc, entries, env)))
+    return runs
 
 
 @pytest.mark.parametrize(("layout", "model"),

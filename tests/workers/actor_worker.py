@@ -1,11 +1,14 @@
-"""Run under torchrun by tests/test_actor.py: one actor layout, results saved per rank.
+"""Run under torchrun by tests/test_actor.py: actor layouts, results saved per rank.
 
-    torchrun --nproc_per_node N tests/workers/actor_worker.py CASE HF_DIR[,HF_DIR...] OUT_DIR TP PP [CKPT]
+    torchrun --nproc_per_node N tests/workers/actor_worker.py plan PLAN_JSON
 
-Each HF folder is trained in turn on the same layout; results are keyed by the folder's name. The
-checkpoint (CKPT) belongs to the first folder.
+The plan is a list of runs of this world size, each a dict: case, hf_dirs, out, tp, pp, ckpt, env (its DAPO_TEST_*
+variables). They run in turn in one launch (a launch costs more than most runs), the model-parallel groups rebuilt
+for each. Each HF folder of a run is trained in turn on its layout; results are keyed by the folder's name, in
+OUT/rank_<i>.pt. The checkpoint (ckpt) belongs to the first folder.
 """
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -106,16 +109,36 @@ def run_model(case: str, hf_dir: str, cfg: Config, ckpt: str | None) -> dict:
     return result
 
 
-def main() -> None:
-    case, hf_dirs, out = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
-    tp, pp, ckpt = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] if len(sys.argv) > 6 else None
+def run(case: str, hf_dirs: list[str], out: str, tp: int, pp: int, ckpt: str | None = None) -> None:
     cfg = make_cfg(tp, pp)
     parallel.initialize(cfg.parallel, seed=7)
     result: dict = {"rank": parallel.global_rank(), "dp_rank": parallel.dp_rank(), "models": {}}
     for i, hf_dir in enumerate(hf_dirs):
         result["models"][Path(hf_dir).name] = run_model(case, hf_dir, cfg, ckpt if i == 0 else None)
     torch.save(result, f"{out}/rank_{parallel.global_rank()}.pt")
+
+
+TEST_ENV = ("DAPO_TEST_DTYPE", "DAPO_TEST_DISTOPT")
+
+
+def run_plan(path: str, run_one) -> None:
+    """Each run of the plan in turn (run_one(entry)), in this process group: its own DAPO_TEST_* variables and
+    fresh model-parallel groups."""
+    from megatron.core import parallel_state as ps
+
+    for entry in json.loads(Path(path).read_text()):
+        for name in TEST_ENV:
+            os.environ.pop(name, None)
+        os.environ.update(entry.get("env", {}))
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        run_one(entry)
     parallel.destroy()
+
+
+def main() -> None:
+    assert sys.argv[1] == "plan", __doc__
+    run_plan(sys.argv[2], lambda e: run(e["case"], e["hf_dirs"], e["out"], e["tp"], e["pp"], e.get("ckpt")))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """Run under torchrun by tests/test_qwen3_moe.py: Qwen3 / MoE models at one TP x PP x EP layout.
 
     torchrun --nproc_per_node N tests/workers/moe_worker.py CASE HF_DIR[,HF_DIR...] OUT_DIR TP PP EP
+    torchrun --nproc_per_node N tests/workers/moe_worker.py plan PLAN_JSON
+
+A plan: several runs of one world size in one launch (actor_worker.run_plan; entries case, hf_dirs, out, tp, pp, ep).
 
 CASE "logits": load each HF folder into a model built to be loaded, save the logits of the conversion
 tool's fixed verification batch and whether exporting gives back every HF tensor bit for bit.
@@ -18,7 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
-from actor_worker import dp_rows, fixed_batch, hf_tensors, make_cfg, old_logprob_offset, run_model
+from actor_worker import dp_rows, fixed_batch, hf_tensors, make_cfg, old_logprob_offset, run_model, run_plan
 
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import Actor
@@ -88,8 +91,15 @@ def replay(hf_dir: str, cfg, mode: str = "r2") -> dict:
 
 
 def main() -> None:
-    case, hf_dirs, out = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+    if sys.argv[1] == "plan":
+        run_plan(sys.argv[2], lambda e: run(e["case"], e["hf_dirs"], e["out"], e["tp"], e["pp"], e["ep"]))
+        return
     tp, pp, ep = (int(x) for x in sys.argv[4:7])
+    run(sys.argv[1], sys.argv[2].split(","), sys.argv[3], tp, pp, ep)
+    parallel.destroy()
+
+
+def run(case: str, hf_dirs: list[str], out: str, tp: int, pp: int, ep: int) -> None:
     cfg = make_cfg(tp, pp)
     cfg.parallel.expert_parallel = ep
     parallel.initialize(cfg.parallel, seed=7)
@@ -107,7 +117,6 @@ def main() -> None:
         else:
             result["models"][name] = run_model("train", hf_dir, cfg, None)
     torch.save(result, f"{out}/rank_{parallel.global_rank()}.pt")
-    parallel.destroy()
 
 
 if __name__ == "__main__":
