@@ -85,14 +85,16 @@ class _Watch:
         self.beat, self.changed = "", time.monotonic()
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.found = ""
 
-    def poll(self, store: Any, key: str, poll_s: float) -> None:
+    def poll(self, store: Any, keys: tuple[str, ...], poll_s: float) -> None:
         try:
-            while not store.check([key]):
+            while (found := next((key for key in keys if store.check([key])), None)) is None:
                 beat = store.get(KEY).decode() if store.check([KEY]) else ""
                 if beat != self.beat:
                     self.beat, self.changed = beat, time.monotonic()
                 time.sleep(poll_s)
+            self.found = found
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread (a dead driver breaks the store)
             self.error = e
         self.done.set()
@@ -101,10 +103,12 @@ class _Watch:
         return self.beat.partition(" ")[2] or "start-up (no heartbeat yet)"
 
 
-def wait_for_key(store: Any, key: str, timeout_s: float, poll_s: float = 0.5) -> None:
-    """Wait until the driver sets `key`; DriverHungError if its heartbeat stays unchanged for `timeout_s`."""
+def wait_for_key(store: Any, key: str | tuple[str, ...], timeout_s: float, poll_s: float = 0.5) -> str:
+    """Wait until the driver sets `key` (or the first of several, in their order, is set; returned);
+    DriverHungError if its heartbeat stays unchanged for `timeout_s`."""
     watch = _Watch()
-    threading.Thread(target=watch.poll, args=(store, key, poll_s), name="driver-watch", daemon=True).start()
+    keys = (key,) if isinstance(key, str) else key
+    threading.Thread(target=watch.poll, args=(store, keys, poll_s), name="driver-watch", daemon=True).start()
     last = time.monotonic()
     while not watch.done.wait(poll_s):
         now = time.monotonic()
@@ -119,3 +123,4 @@ def wait_for_key(store: Any, key: str, timeout_s: float, poll_s: float = 0.5) ->
                 "from the last checkpoint")
     if watch.error is not None:
         raise watch.error
+    return watch.found

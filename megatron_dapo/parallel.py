@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -197,8 +198,9 @@ def join_driver(label: str, *, poll_s: float = 0.5) -> None:
     """Every rank: where the other ranks wait for work only the driver (global rank 0) does -- a rollout,
     an evaluation -- however long it takes. They poll the rendezvous store instead of waiting in a
     collective (which fails after parallel.timeout_s); a driver that dies breaks the store and the wait, one
-    whose heartbeat stops for parallel.driver_heartbeat_timeout_s raises heartbeat.DriverHungError."""
-    global _driver_waits
+    whose heartbeat stops for parallel.driver_heartbeat_timeout_s raises heartbeat.DriverHungError. Meanwhile
+    they serve the driver's requests (ask_ranks) in the order it makes them."""
+    global _driver_waits, _requests
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     from torch.distributed.distributed_c10d import _get_default_store
@@ -208,7 +210,41 @@ def join_driver(label: str, *, poll_s: float = 0.5) -> None:
     if is_main():
         store.set(key, "1")
         return
-    heartbeat.wait_for_key(store, key, _heartbeat_timeout_s, poll_s)
+    while True:  # a request the driver made before it finished comes first: it cannot finish without us
+        request_key = f"megatron_dapo/request/{_requests + 1}"
+        if heartbeat.wait_for_key(store, (request_key, key), _heartbeat_timeout_s, poll_s) == key:
+            return
+        _requests += 1
+        _serve(store.get(request_key).decode())
+
+
+_requests = 0
+"""Driver requests made (the driver) or served (every other rank) so far."""
+_handler: Callable[[str], None] | None = None
+
+
+def on_driver_request(handler: Callable[[str], None] | None) -> None:
+    """Every rank, once: what a request of the driver's (ask_ranks) runs, on every rank; None: no requests."""
+    global _handler
+    _handler = handler
+
+
+def ask_ranks(request: str) -> None:
+    """The driver, while the other ranks wait in join_driver (from any thread; one request at a time): every rank
+    runs the registered handler on `request`, so it may hold collectives (the driver's own runs here)."""
+    global _requests
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        _requests += 1
+        _get_default_store().set(f"megatron_dapo/request/{_requests}", request)
+    _serve(request)
+
+
+def _serve(request: str) -> None:
+    if _handler is None:
+        raise RuntimeError(f"the driver asked every rank for {request!r}, and nothing here serves it")
+    _handler(request)
 
 
 def from_driver(label: str, value: str) -> str:
@@ -240,8 +276,9 @@ def destroy() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-    global _driver_waits
-    _driver_waits = 0
+    global _driver_waits, _requests, _handler
+    _driver_waits = _requests = 0
+    _handler = None
 
 
 # --- read access for the rest of the code base ------------------------------------------------

@@ -1,7 +1,7 @@
 """Training runs on real SGLang servers on CPU (`-m sglang`): an async trainer with a server of its own,
-torchrun with the distributed weight transport and multi-turn tool rollouts, three nodes each starting one, and two servers, one of them
-killed mid-rollout and restarted while the run goes on (issue 38). Split from test_rollout_sglang_servers.py
-so that the two long files run on two workers."""
+torchrun with the distributed weight transport and multi-turn tool rollouts, three nodes each starting one, two
+servers, one of them killed mid-rollout and restarted while the run goes on, and a lone server hung mid-rounds and
+restarted (issue 38). Split from test_rollout_sglang_servers.py so that the two long files run on two workers."""
 
 from __future__ import annotations
 
@@ -164,3 +164,48 @@ def test_a_server_killed_mid_rollout_is_restarted_and_the_run_trains_full_batche
     assert max(tb["rollout/train_rollout_logprob_absdiff"].values()) < 1e-4
     assert set(tb["perf/weight_sync_bytes"]) == {1, 2} and min(tb["perf/weight_sync_bytes"].values()) > 0
 
+
+
+@pytest.mark.sglang
+@SGLANG_TIMEOUT
+def test_a_lone_server_hung_mid_rounds_comes_back_with_the_current_weights(sglang_python, base_dir, tmp_path,
+                                                                           python_env):
+    """One real server, rounds (no streaming), SIGSTOPped while it generates step 2's groups (after step 1's
+    sync): its health check goes silent, it is stopped for good and started again, takes the actor's current
+    weights at once (nothing else generates; the probe checks them), generates its groups again from their
+    seeds, and both steps train a full batch on logprobs equal to the actor's."""
+    import subprocess
+
+    import psutil
+
+    from megatron_dapo.metrics import read_scalars
+
+    port = server_ports(1)
+    cmd = trainer_cmd(base_dir, tmp_path, "lone", "rollout.sglang.num_servers=1", f"rollout.sglang.base_port={port}",
+                      "eval.every_steps=0", "algo.dynamic_sampling=false", "rollout.streaming=false",
+                      "rollout.sglang.health_timeout_s=5")
+    env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": sglang_python, "TMPDIR": str(tmp_path)}
+    log = tmp_path / "megatron-dapo-sglang" / f"sglang-127.0.0.1-{port}.log"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline, stopped = time.monotonic() + 600, None
+        while stopped is None and proc.poll() is None and time.monotonic() < deadline:
+            text = log.read_text(errors="replace") if log.is_file() else ""
+            synced = text.find("POST /end_weight_update")  # step 1's sync is done: step 2 generates
+            if synced >= 0 and re.search(r"Prefill batch, #new-seq: [2-9]", text[synced:]):
+                stopped = next(c.pid for c in psutil.net_connections("tcp")
+                               if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN)
+                os.kill(stopped, signal.SIGSTOP)  # hung: alive, answers nothing
+            time.sleep(0.02)
+        assert stopped is not None, "the server never generated step 2's groups"
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-6000:]
+    assert "did not answer its health check" in err and "restarting it (restart 1 of at most 3" in err, err[-4000:]
+    tb = read_scalars(tmp_path / "tb" / "lone")
+    assert tb["rollout/engine_restarts"] == {1: 0.0, 2: 1.0} and tb["rollout/resubmitted_groups"][2] == 8
+    assert tb["rollout/groups_trained"] == {1: 8.0, 2: 8.0}, err[-6000:]
+    assert max(tb["rollout/weight_sync_probe_absdiff"].values()) < 0.01
+    assert max(tb["rollout/train_rollout_logprob_absdiff"].values()) < 1e-4  # step 2's from the current weights

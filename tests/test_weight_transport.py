@@ -200,6 +200,42 @@ def test_each_rank_feeds_its_own_server_rank_and_the_leader_posts(tmp_path, fail
     assert r0["events"] == ["begin", "end", "recorded 2 buckets"] and r1["received"] == []
 
 
+class DyingServer(FakeServer):
+    """Its process dies at bucket `fail_at_bucket` (lost() then says so, as SGLangServer's does)."""
+
+    dead = False
+
+    def post_flat_bucket(self, payloads, version):
+        self.dead = self.dead or self.fail_at_bucket == len(self.received)
+        super().post_flat_bucket(payloads, version)
+
+    def lost(self):
+        return "exited with code -9" if self.dead else None
+
+
+@pytest.mark.parametrize("restartable", [True, False])
+def test_a_server_lost_mid_update_is_left_out_where_it_restarts(restartable):
+    """Rank 0's node (its servers restartable): a server that dies takes no more of the update and the others take
+    all of it, with no error (the caller restarts it and gives it the weights); elsewhere its loss is the error."""
+    a, b = DyingServer(tp=1), DyingServer(tp=1, fail_at_bucket=1)
+    sync = NodeWeightSync.local([a, b], transport="tensor", bucket_bytes=64)
+    sync.restartable = restartable
+    counts = sync.update([("w1", torch.ones(4)), ("w2", torch.ones(12)), ("w3", torch.ones(2))])
+    if not restartable:
+        assert "server refused the bucket" in repr(counts.error) and a.events[-2] == "end failed"
+        return
+    assert counts.error is None and counts.lost == [1] and len(a.received) == 2 and len(b.received) == 1
+    assert a.events == ["begin", "end", "recorded 2 buckets"] and b.events == ["begin"]  # b: no end, not current
+
+
+def test_only_the_restarted_server_takes_an_update_meant_for_it():
+    a, b = DyingServer(tp=1), DyingServer(tp=1)
+    sync = NodeWeightSync.local([a, b], transport="tensor", bucket_bytes=64)
+    sync.only = [1]
+    assert sync.update([("w1", torch.ones(4))]).error is None
+    assert a.received == [] and a.events == [] and len(b.received) == 1 and b.events[-1] == "recorded 1 buckets"
+
+
 # -------------------------------------------------------------------- the weight group's own store
 
 

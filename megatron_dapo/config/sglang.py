@@ -30,11 +30,16 @@ class SGLangConfig:
     extra_args: str = ""
     """Extra `sglang.launch_server` flags, passed through verbatim."""
     max_restarts: int = knob(3, "[0, inf)", "0 = a lost engine stops the run", on_resume=True)
-    """Rollout engines restarted per run. A server of several (num_servers >= 2) that dies, or misses its health
-    check for health_timeout_s, is stopped for good (its process group) and started again on its devices and
-    port while the others generate its groups again from their prompts with their seeds; it takes the current
-    weights at the next weight sync (the probe checks them). The embedded engine's own process
-    (rollout.colocate=false) comes back with the last weights and its pending groups. A lone server is not
-    restarted. Past this many, the run stops with one line naming the engine and its log, saving nothing new."""
+    """Rollout engines restarted per run. A server that dies, or misses its health check for health_timeout_s, is
+    stopped for good (its process group) and started again on its devices and port; its groups are generated again
+    from their prompts with their seeds, by the other servers meanwhile or, where none holds the current weights (a
+    lone server), by itself. It takes the current weights from the actor as soon as the run can give them (the probe
+    checks them): at once where nothing else generates or the servers have devices of their own
+    (rollout.colocate=false), else before the next rollout; one lost during a weight sync, in that sync. With
+    rollout.async_steps > 0 or several nodes (node-local weight sync) it waits for the next weight update instead,
+    and a lone server's loss stops the run; another node's servers (attached to rank 0) are not restarted: their
+    loss stops the run. The embedded engine's own process
+    (rollout.colocate=false) comes back with the last weights and its pending groups. Past this many, the run
+    stops with one line naming the engine and its log, saving nothing new."""
     health_timeout_s: float = knob(120.0, "(0, inf)", on_resume=True)
     """A server whose health check (its load report, rollout/sglang/health.py) goes unanswered this long is hung."""

@@ -130,7 +130,11 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
     report.old_logprobs = old.line()
     phases = Phases(actor, engines.engine, cfg.rollout.colocate, cfg.actor.offload_when_idle,
                     probe=WeightProbe.for_actor(actor.spec.vocab_size, param_dtype(cfg.model))
-                    if cfg.rollout.weight_sync_probe else None, weights=engines.weights)
+                    if cfg.rollout.weight_sync_probe else None, weights=engines.weights, lagged=cfg.rollout.lagged,
+                    restarts=restarts.max_restarts > 0)
+    parallel.on_driver_request(phases.serve)
+    if cfg.rollout.async_steps == 0 or cfg.rollout.lagged:  # (k=1 batches generate while the actor trains)
+        restarts.refresh = phases.refresh
     prompts = _train_iterator(cfg, tokenizer, fmt, report) if driver else None
     carry, timer = PartialCarry(), PhaseTimer()
     collector = None

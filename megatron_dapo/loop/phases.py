@@ -10,6 +10,7 @@ into the engine, which buckets them for its transport -- then on to generate).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from megatron_dapo.loop.colocation import ENGINE_STATE, Phase, phase_model
 from megatron_dapo.loop.weight_probe import WeightProbe, WeightSyncError
 from megatron_dapo.loop.weight_sync import SyncStats, sync_weights
 from megatron_dapo.rollout.base import RolloutEngine
+from megatron_dapo.rollout.restarts import stale_engines
 from megatron_dapo.rollout.sglang.updates import NodeWeightSync
 from megatron_dapo.schedule.pipeline import WeightSnapshot
 
@@ -46,6 +48,11 @@ class Phases:
     probe: WeightProbe | None = None
     weights: NodeWeightSync | None = None
     """This rank's part in updating the SGLang servers (every rank); None: the driver feeds `engine`."""
+    lagged: bool = False
+    """rollout.lagged: the engine takes host snapshots (take_snapshot); a restarted one takes the last again."""
+    restarts: bool = False
+    """The run restarts lost engines (rollout.sglang.max_restarts > 0); lagged, it keeps the last snapshot for
+    them (one more host copy of the model)."""
     ledger: dict[str, float] = field(default_factory=dict)
     transitions: deque = field(default_factory=lambda: deque(maxlen=64))
     """(time.monotonic(), event) of this rank's last moves: a release when it has returned (actor_slept
@@ -57,6 +64,10 @@ class Phases:
         self.engine_weights_lost = False
         self.step = 0
         self.resyncs = 0
+        self.stale_checks = 0
+        self._refreshing = threading.Lock()
+        self._target: RolloutEngine | None = None  # the driver's engines to refresh (serve)
+        self._last_snapshot: WeightSnapshot | None = None  # lagged: the engine's weights (take_snapshot)
 
     def generate(self) -> None:
         """The engine generates: the actor leaves the device (if offloaded when idle), the engine's
@@ -75,10 +86,13 @@ class Phases:
     def sync(self, step: int) -> SyncStats:
         """The engine's weights (not its KV cache) come back and take the actor's weights, streamed
         (collective over all ranks); the probe is scored by the actor; then on to generate (the actor
-        sleeps, the KV cache returns), where the engine scores the probe."""
+        sleeps, the KV cache returns), where the engine scores the probe. A server lost during the sync was
+        restarted meanwhile (rollout/engine_group.py): it takes the weights again before the probe."""
         self.step = step
         self._enter(self.model["sync"])
         stats = sync_weights(self.actor.module, self.actor.spec, self.weights or self.engine)
+        while self._any_stale():  # each pass took one restart from the run's budget
+            stats = self._sync_to(stale_engines(self.engine) if self.engine is not None else None)
         expected = self.probe.actor_logprobs(self.actor) if self.probe is not None else None
         self.engine_weights_lost = False
         self._enter(self.model["generate"])
@@ -106,17 +120,94 @@ class Phases:
 
     def take_snapshot(self, snap: WeightSnapshot) -> None:
         """The producer thread (one rank feeds the engine): the engine takes a snapshot's weights; the probe
-        checked on this rank alone."""
+        checked on this rank alone. The snapshot is kept for a restarted engine (refresh) until the next."""
+        with self._refreshing:
+            self._from_snapshot(snap, self.engine)
+            self._last_snapshot = snap if self.restarts else None
+
+    def _from_snapshot(self, snap: WeightSnapshot, target: RolloutEngine) -> None:
+        """`target` (the engine, or restarted engines of it) takes the snapshot's weights; the probe checked."""
         if self.weights is not None:
-            error = self.weights.update(iter(snap.tensors)).error
+            self.weights.only = self._indices(target) if target is not self.engine else None
+            try:
+                error = self.weights.update(iter(snap.tensors)).error
+            finally:
+                self.weights.only = None
             if error is not None:
                 raise WeightSyncError(f"the weights after step {snap.version} did not reach the servers: {error}")
         else:
-            self.engine.update_weights(snap.tensors)
+            target.update_weights(snap.tensors)
         if snap.expected is not None:
-            diff = self.probe.engine_absdiff(self.engine, snap.expected)
+            diff = self.probe.engine_absdiff(target, snap.expected)
             self.probe.verdict(diff, snap.version)
             self.ledger["rollout/weight_sync_probe_absdiff"] = diff
+
+    def _any_stale(self) -> bool:
+        """Every rank: whether a server of the driver's was lost in the update just made (then restarted: revive) or
+        holds stale weights otherwise; the driver says (host-side)."""
+        stale = False
+        if self.engine is not None and self._targeted():
+            if hasattr(self.engine, "revive"):
+                self.engine.revive()
+            stale = stale_engines(self.engine) is not None
+        self.stale_checks += 1
+        return parallel.from_driver(f"stale_engines/{self.stale_checks}", "1" if stale else "") == "1"
+
+    def _targeted(self) -> bool:
+        """Whether an update can go to some of the engines only (not with the servers' NCCL broadcast group)."""
+        return self.weights is None or self.weights.transport != "distributed"
+
+    def can_refresh(self, idle: bool) -> bool:
+        """Whether restarted engines can take the current weights mid-rollout (the driver asks): an update can go
+        to them alone, and in colocation no engine generates (the actor's weights come back to every device)."""
+        return self._targeted() and (idle or not self.colocate)
+
+    def refresh(self, target: RolloutEngine, idle: bool) -> bool:
+        """The driver, mid-rollout, any thread: the restarted engines `target` take the actor's weights now,
+        every rank taking part (parallel.ask_ranks; the other ranks wait in join_driver) and the probe checked;
+        False (nothing done) where it cannot (can_refresh). One refresh at a time."""
+        if self.lagged:  # the engine generates on devices of its own, from snapshots: the last one again
+            with self._refreshing:
+                if self._last_snapshot is None:  # none taken yet (they hold the start's weights, not known here)
+                    return False
+                self._from_snapshot(self._last_snapshot, target)
+            return True
+        if not self.can_refresh(idle):
+            return False
+        with self._refreshing:
+            self._target = target
+            parallel.ask_ranks("refresh_engines")
+        return True
+
+    def serve(self, request: str) -> None:
+        """Every rank: a driver's request (parallel.on_driver_request)."""
+        if request != "refresh_engines":
+            raise ValueError(f"unknown driver request {request!r}")
+        target, self._target = self._target, None
+        if self.colocate:
+            self._enter(self.model["sync"])
+        self._sync_to(target)
+        expected = self.probe.actor_logprobs(self.actor) if self.probe is not None else None
+        if self.colocate:
+            self._enter(self.model["generate"])
+        if self.probe is not None:
+            self.ledger["rollout/weight_sync_probe_absdiff"] = self.probe.check(target, expected, self.step)
+
+    def _sync_to(self, target: RolloutEngine | None) -> SyncStats:
+        """Collective: the actor's weights to `target` (the driver's stale engines; None elsewhere) alone: with
+        SGLang each rank's part of its node's update, the driver's node posting to those servers only."""
+        if self.weights is None:
+            return sync_weights(self.actor.module, self.actor.spec, target)
+        self.weights.only = self._indices(target)
+        try:
+            return sync_weights(self.actor.module, self.actor.spec, self.weights)
+        finally:
+            self.weights.only = None
+
+    def _indices(self, target: RolloutEngine | None) -> list[int]:
+        """Which of this rank's node sync's servers `target` (an engine of them, or a group) holds."""
+        members = [] if target is None else list(getattr(target, "engines", [target]))
+        return [k for k, server in enumerate(self.weights.servers) if server in members] if self.weights else []
 
     def _enter(self, phase: Phase) -> None:
         if self.engine is not None and hasattr(self.engine, "revive"):  # a server lost between rollouts

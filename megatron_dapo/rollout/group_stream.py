@@ -13,8 +13,10 @@ waiting in another thread when `abort()` runs raises GenerationAborted: so a gro
 With a `recovery` (restarts.py), an engine that is lost (dead, or hung past its health check) is not a
 failure: it is stopped for good, the groups it held go to the engines that hold the current weights, as
 they were requested (prompt, seed, carried-in samples: nothing is trained twice or dropped), and it is
-started again from its own thread while the others keep generating; it takes no group until a weight
-update has made it current. Past the run's restart budget, `next()` raises EngineLostError (one line).
+started again from its own thread while the others keep generating. Where the run can give it the current
+weights now (Restarts.refresh) it takes them and streams again; else it takes no group until a weight
+update has made it current. With no other current engine its groups wait for it. Past the run's restart
+budget, or with nobody to take its groups, `next()` raises EngineLostError (one line).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class GroupStream(RolloutStream):
         self._ready: dict[int, GroupResult] = {}  # finished groups, in arrival order
         self._aborting = self._closed = False
         self._epoch = 0  # abort() counts up: a next() waiting across an abort raises GenerationAborted
+        self._recoveries: list[threading.Thread] = []  # lost engines' recoveries (close() waits for them)
         self._threads = [threading.Thread(target=self._pump, args=(k,), daemon=True, name=f"group-stream-{k}")
                          for k in range(len(self._streams))]
         for t in self._threads:
@@ -139,10 +142,11 @@ class GroupStream(RolloutStream):
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
+            for thread in self._recoveries:  # a restart under way ends with the rollout: no server starts while the
+                thread.join()  # actor trains, and no refresh's collectives meet the training's
 
     def _least_loaded(self, load: list[int]) -> int:
-        live = [k for k in range(len(self._streams)) if k not in self._failed
-                and (self._recovery is None or self._recovery.fresh(k))]
+        live = [k for k in range(len(self._streams)) if self.live(k)]
         if not live:
             raise EngineGroupFailure(f"every rollout engine failed: {', '.join(self._names)}")
         return min(live, key=lambda k: ((load[k] + 1) / self._weights[k], k))
@@ -168,8 +172,9 @@ class GroupStream(RolloutStream):
                     self._ready[item.key] = item
                 elif not self._aborting and self._recovery is not None and (why := self._recovery.lost(k)):
                     self._failed.add(k)  # takes no group until restarted and current
-                    threading.Thread(target=self._recover, args=(k, why), daemon=True,
-                                     name=f"group-stream-recover-{k}").start()
+                    self._recoveries.append(threading.Thread(target=self._recover, args=(k, why), daemon=True,
+                                                             name=f"group-stream-recover-{k}"))
+                    self._recoveries[-1].start()
                     return
                 elif self._aborting:  # cut short, or it found its groups already cancelled: no failure
                     if not isinstance(item, (GenerationAborted, EngineStateError)):
@@ -180,7 +185,8 @@ class GroupStream(RolloutStream):
                 self._cond.notify_all()
 
     def _recover(self, k: int, why: str) -> None:
-        """Engine k is lost: stop it for good, hand its groups to the current engines, start it again."""
+        """Engine k is lost: stop it for good, hand its groups to the current engines (held for k where there are
+        none), start it again, and stream on it again once it holds the current weights."""
         try:
             self._recovery.take(k, why)
             with suppress(Exception):
@@ -189,26 +195,56 @@ class GroupStream(RolloutStream):
                 moved = [self._requests[key] for key, owner in self._owner.items()
                          if owner == k and key not in self._ready]
                 self._owed[k] = 0
-                self._resubmit(k, moved)
+                held, epoch = self._place(moved), self._epoch
             self._recovery.restarts.resubmitted(len(moved))
             self._recovery.restart(k)
+            with self._cond:
+                if self._closed:  # the rollout is over: the next one gives it the weights first
+                    return
+                idle = not any(self.live(j) for j in range(len(self._streams)) if j != k)
+            if not self._recovery.refresh(self._recovery.engines[k], idle):
+                if held:
+                    raise EngineLostError(f"rollout engine {self._names[k]} was lost and no other engine holds the "
+                                          "current weights to take its groups, nor can the run give them to it now; "
+                                          "stopped without saving")
+                return  # stale: it takes no group until the next weight update
+            self._reopen(k, held, epoch)
         except BaseException as e:  # noqa: BLE001 - raised by next()
             with self._cond:
                 self._errors.append((k, e if isinstance(e, EngineLostError) else EngineLostError(
                     f"rollout engine {self._names[k]}: {why}; it could not be recovered: {e}")))
                 self._cond.notify_all()
 
-    def _resubmit(self, k: int, moved: list[GroupRequest]) -> None:
-        """Under the lock: `moved` (lost engine k's groups) to the least loaded current engines."""
+    def _reopen(self, k: int, held: list[GroupRequest], epoch: int) -> None:
+        """Restarted engine k holds the current weights: a new stream and thread for it, and the groups held for it
+        (unless an abort dropped them meanwhile)."""
+        stream = self._recovery.engines[k].stream()
+        with self._cond:
+            if self._closed:
+                stream.close()
+                return
+            self._streams[k] = stream
+            self._failed.discard(k)
+            self._threads[k] = threading.Thread(target=self._pump, args=(k,), daemon=True, name=f"group-stream-{k}")
+            self._threads[k].start()
+            if self._epoch == epoch:
+                self._place(held)
+
+    def live(self, k: int) -> bool:
+        """Whether engine k takes groups: not failed or lost, and current."""
+        return k not in self._failed and (self._recovery is None or self._recovery.fresh(k))
+
+    def _place(self, moved: list[GroupRequest]) -> list[GroupRequest]:
+        """Under the lock: `moved` (a lost engine's groups) to the least loaded current engines; those no current
+        engine can take are returned."""
+        if not any(self.live(k) for k in range(len(self._streams))):
+            return moved
         load = list(self._owed)
         for r in moved:
-            try:
-                j = self._least_loaded(load)
-            except EngineGroupFailure:
-                raise EngineLostError(f"rollout engine {self._names[k]} was lost and no other engine holds the "
-                                      "current weights to take its groups; stopped without saving") from None
+            j = self._least_loaded(load)
             self._streams[j].submit([r])
             self._owner[r.key] = j
             self._owed[j] += 1
             load[j] += 1
         self._cond.notify_all()
+        return []

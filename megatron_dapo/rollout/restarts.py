@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,10 @@ class Restarts:
     max_restarts: int
     engine_restarts: int = 0
     resubmitted_groups: int = 0
+    refresh: Callable[[Any, bool], bool] | None = field(default=None, repr=False)
+    """refresh(engines, idle): the restarted `engines` take the current weights now, mid-rollout; False where they
+    cannot (`idle`: no engine of the run generates meanwhile). The loop's (Phases.refresh); None: they wait for the
+    next weight update."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def take(self, name: str, why: str, log_tail: str = "") -> None:
@@ -59,6 +65,13 @@ class Restarts:
                 "rollout/resubmitted_groups": float(self.resubmitted_groups)}
 
 
+def stale_engines(engine: Any) -> Any:
+    """The engines of `engine` (an engine group, maybe wrapped) restarted since they last took weights, as one engine
+    (an EngineGroup); None when there are none or `engine` restarts nothing."""
+    part = getattr(engine, "stale_part", None)
+    return part() if part is not None else None
+
+
 @dataclass
 class EngineRecovery:
     """How a group recovers its engine k: a restartable engine (`lost`, `kill`, `restart`; SGLang servers) that
@@ -83,6 +96,10 @@ class EngineRecovery:
         tail = getattr(self.engines[k], "log_tail", lambda: "")()
         self.restarts.take(self.names[k], why, tail)
         self.engines[k].kill()
+
+    def refresh(self, engine: Any, idle: bool) -> bool:
+        """`engine` (restarted engines) takes the current weights now, if the run can give them (Restarts.refresh)."""
+        return self.restarts.refresh is not None and self.restarts.refresh(engine, idle)
 
     def restart(self, k: int) -> None:
         """Blocking; EngineLostError when it does not start again."""

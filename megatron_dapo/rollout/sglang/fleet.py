@@ -56,7 +56,7 @@ def launch_servers(model_path: str | Path, cfg: SGLangConfig, restarts: Restarts
     """
     count = servers_per_node(cfg)
     if count == 1:
-        return SGLangEngine(model_path, cfg, **engine_kwargs)
+        return recoverable([SGLangEngine(model_path, cfg, **engine_kwargs)], restarts)
     engines: list[SGLangEngine] = []
     try:
         for k in range(count):
@@ -70,6 +70,19 @@ def launch_servers(model_path: str | Path, cfg: SGLangConfig, restarts: Restarts
             with suppress(Exception):
                 engine.shutdown()
         raise
+    return EngineGroup(engines, restarts=restarts)
+
+
+def restartable(restarts: Restarts | None) -> bool:
+    """Whether rank 0's engine group restarts its lost servers (then a weight sync leaves a lost one out)."""
+    return restarts is not None and restarts.max_restarts > 0
+
+
+def recoverable(engines: list[SGLangEngine], restarts: Restarts | None) -> RolloutEngine:
+    """The servers as one engine: a group, which restarts a lost server, where there are several or a restart
+    budget (a lone server too); a lone server as itself otherwise."""
+    if len(engines) == 1 and not restartable(restarts):
+        return engines[0]
     return EngineGroup(engines, restarts=restarts)
 
 
@@ -119,6 +132,7 @@ def start_job_servers(model_path: str | Path, cfg: SGLangConfig, restarts: Resta
         layout = NodeLayout(node=0, ranks=(0,), servers=len(servers), tp=cfg.tensor_parallel,
                             colocated=colocated)
         sync = NodeWeightSync(servers, layout, 0, transport=cfg.weight_sync, bucket_bytes=sync_bytes)
+        sync.restartable = restartable(restarts)
         return JobServers(engine, [], sync)
     rank, world = dist.get_rank(), dist.get_world_size()
     nodes: list[Any] = [None] * world
@@ -152,6 +166,7 @@ def start_job_servers(model_path: str | Path, cfg: SGLangConfig, restarts: Resta
     sync = _node_weight_sync(owned, nodes, rank, cfg, count, colocated, sync_bytes, host)
     if rank != 0:
         return JobServers(None, owned, sync)
+    sync.restartable = restartable(restarts)
     remote: list[SGLangEngine] = []
     for r, urls in enumerate(reports):
         if urls is None or r == 0:
@@ -162,7 +177,7 @@ def start_job_servers(model_path: str | Path, cfg: SGLangConfig, restarts: Resta
                                        trainer_host=host, **engine_kwargs))
     log.info("SGLang servers: %s; each node's servers take their weights from the node's own ranks (%s)",
              ", ".join([e.url for e in owned] + [f"{e.url} (attached)" for e in remote]), cfg.weight_sync)
-    engine = owned[0] if len(owned) == 1 and not remote else EngineGroup([*owned, *remote], restarts=restarts)
+    engine = recoverable([*owned, *remote], restarts)
     return JobServers(engine, [], sync)
 
 

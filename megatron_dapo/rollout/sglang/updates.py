@@ -15,7 +15,11 @@ yields every tensor on every rank) and cuts it into the same buckets. Per bucket
 - "distributed": the leader broadcasts each bucket once to all of its node's servers (one group).
 - "disk": the leader writes each bucket once into a folder that every server of the node loads.
 A failure stops the leader's HTTP calls but not its part in the collectives (it drains the stream): it comes
-back in `NodeSyncCounts.error`, for the caller to raise on every rank instead of leaving them waiting.
+back in `NodeSyncCounts.error`, for the caller to raise on every rank instead of leaving them waiting. With
+`restartable` (rank 0's node, where the engine group restarts lost servers) a server lost mid-update is no error:
+it takes no more of this update (`NodeSyncCounts.lost`), and is restarted and given the weights by the caller.
+`only` (tensor and disk transports) updates some of the node's servers, the others' parts of the protocol
+unchanged: a restarted server takes the current weights while the others generate.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +93,8 @@ class NodeSyncCounts:
     buckets: int = 0
     seconds: float = 0.0
     error: BaseException | None = None
+    lost: list[int] = field(default_factory=list)
+    """The node's servers lost during the update (restartable): they took no more of it."""
 
 
 def bucket_room_problem(bucket: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> Exception | None:
@@ -134,6 +140,10 @@ class NodeWeightSync:
                 server.weight_groups.append(self._broadcast)  # left when the server shuts down
         self._versions = versions if versions is not None else itertools.count(1)
         self._staging: dict[str, torch.Tensor] = {}  # this rank's shared-memory bucket buffer (CPU)
+        self.restartable = False
+        """A server lost mid-update is left out of it, not an error (module docstring)."""
+        self.only: list[int] | None = None
+        """The servers the next updates go to (None: all of the node's)."""
 
     @classmethod
     def local(cls, servers: Sequence[Any], *, transport: str, bucket_bytes: int,
@@ -167,9 +177,24 @@ class NodeWeightSync:
             pass
         counts.seconds = time.perf_counter() - t0
         if self.leader:
-            for server in self.servers:
+            for _, server in self._targets(counts):
                 server.record_update(self.transport, counts)
         return counts
+
+    def _targets(self, counts: NodeSyncCounts) -> list[tuple[int, Any]]:
+        """The servers this update goes to and has not lost, by index."""
+        return [(k, s) for k, s in enumerate(self.servers)
+                if (self.only is None or k in self.only) and k not in counts.lost]
+
+    def _call(self, counts: NodeSyncCounts, k: int, server: Any, call: Any) -> None:
+        """call() for server k; its failure is the update's error, unless the server is lost and restartable."""
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001
+            if self.restartable and server.lost() is not None:
+                counts.lost.append(k)
+            else:
+                counts.error = counts.error or e
 
     def _counted(self, named: Iterable[tuple[str, torch.Tensor]], counts: NodeSyncCounts
                  ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -184,21 +209,15 @@ class NodeWeightSync:
 
     def _begin(self, counts: NodeSyncCounts) -> str:
         version = str(next(self._versions))
-        if counts.error is None:
-            try:
-                for server in self.servers:
-                    server.begin_update(self.transport)
-            except Exception as e:  # noqa: BLE001
-                counts.error = e
+        for k, server in self._targets(counts):
+            if counts.error is None:
+                self._call(counts, k, server, lambda server=server: server.begin_update(self.transport))
         return version
 
     def _end(self, counts: NodeSyncCounts) -> None:
-        for server in self.servers:
+        for k, server in self._targets(counts):
             if counts.error is None:
-                try:
-                    server.end_update(self.transport)
-                except Exception as e:  # noqa: BLE001
-                    counts.error = e
+                self._call(counts, k, server, lambda server=server: server.end_update(self.transport))
             else:  # close the session, but report the first error
                 with suppress(Exception):
                     server.end_update(self.transport, failed=True)
@@ -222,14 +241,12 @@ class NodeWeightSync:
                 slot = missing[0]
                 counts.error = RuntimeError(f"rank {slot.rank} sent no payload for server {slot.server}'s TP "
                                             f"rank {slot.tp_rank} (its own error says why)")
-            if self.leader and counts.error is None:
+            if self.leader and counts.error is None and (targets := self._targets(counts)):
                 tp = self.layout.tp
-                posts = [lambda k=k, server=server: server.post_flat_bucket(
-                    [payloads[(k, j)] for j in range(tp)], version) for k, server in enumerate(self.servers)]
-                try:  # the servers load at once, each on its own GPUs
-                    posts[0]() if len(posts) == 1 else alongside(posts, lambda: None)
-                except Exception as e:  # noqa: BLE001
-                    counts.error = e
+                posts = [lambda k=k, server=server: self._call(counts, k, server, lambda: server.post_flat_bucket(
+                    [payloads[(k, j)] for j in range(tp)], version)) for k, server in targets]
+                # the servers load at once, each on its own GPUs
+                posts[0]() if len(posts) == 1 else alongside(posts, lambda: None)
             if self.gathers and self.group is not None:
                 torch.distributed.barrier(group=self.group)  # each buffer is kept until the servers loaded it
             device = bucket[0][1].device
@@ -283,9 +300,8 @@ class NodeWeightSync:
                               str(folder / f"bucket-{i:05d}.safetensors"))
                     counts.sent += sum(tensor_nbytes(t) for _, t in bucket)
                 counts.buckets += 1
-            if counts.tensors and counts.error is None:
-                for server in self.servers:
-                    server.load_from_disk(folder, version)
+            for k, server in self._targets(counts) if counts.tensors and counts.error is None else []:
+                self._call(counts, k, server, lambda server=server: server.load_from_disk(folder, version))
         except Exception as e:  # noqa: BLE001
             counts.error = counts.error or e
         finally:

@@ -19,6 +19,7 @@ import torch
 from megatron_dapo.config.tools import ToolsConfig
 from megatron_dapo.rollout.base import (AbortReport, EngineStateError, GroupRequest, GroupResult, RolloutEngine,
                                         RolloutStream, SamplingParams, check_prompts)
+from megatron_dapo.rollout.restarts import stale_engines
 from megatron_dapo.rollout.tools.turns import Conversation, close_stop_ids
 from megatron_dapo.sandbox.types import ToolResult
 from megatron_dapo.types import Sample
@@ -97,6 +98,10 @@ class ToolEngine(RolloutEngine):
         revive = getattr(self.inner, "revive", None)
         if revive is not None:
             revive()
+
+    def stale_part(self) -> RolloutEngine | None:
+        """The wrapped engine's restarted engines that still hold stale weights (restarts.stale_engines)."""
+        return stale_engines(self.inner)
 
     def shutdown(self) -> None:
         try:
