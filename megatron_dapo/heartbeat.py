@@ -9,18 +9,26 @@ driver process stops running: stopped by a signal (SIGSTOP, a debugger), frozen 
 system), or starved of the GIL by a call that never returns it. The store of a single-node job is served by
 the driver's own process: a stopped driver stops answering, and every read then blocks, so the waiting rank
 reads in a helper thread and measures the silence on its own clock (the hosts' clocks need not agree).
+
+While it waits, a rank also serves the driver's requests (`ask`: a restarted rollout server takes the weights,
+which every rank sends), in the order the driver makes them: a request is a store key the driver sets before it
+runs the request's handler itself, so the collectives inside meet.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 KEY = "megatron_dapo/driver/heartbeat"
 
 _phase = "start-up"
 _beat: Beat | None = None
+_requests = 0
+"""Driver requests made (the driver) or served (every other rank) so far."""
+_handler: Callable[[str], None] | None = None
 
 
 class DriverHungError(RuntimeError):
@@ -72,10 +80,39 @@ def start(store: Any, timeout_s: float) -> None:
 
 
 def stop() -> None:
-    global _beat, _phase
+    global _beat, _phase, _requests, _handler
     if _beat is not None:
         _beat.stop()
-    _beat, _phase = None, "start-up"
+    _beat, _phase, _requests, _handler = None, "start-up", 0, None
+
+
+def on_request(handler: Callable[[str], None] | None) -> None:
+    global _handler
+    _handler = handler
+
+
+def ask(store: Any, request: str) -> None:
+    """The driver: every rank runs the handler on `request` (the others from await_driver; store None: alone)."""
+    global _requests
+    if store is not None:
+        _requests += 1
+        store.set(f"megatron_dapo/request/{_requests}", request)
+    _serve(request)
+
+
+def await_driver(store: Any, key: str, timeout_s: float, poll_s: float = 0.5) -> None:
+    """Until the driver sets `key` (wait_for_key), serving its requests: one made before it set the key comes first."""
+    global _requests
+    while (request := f"megatron_dapo/request/{_requests + 1}") == wait_for_key(store, (request, key), timeout_s,
+                                                                               poll_s):
+        _requests += 1
+        _serve(store.get(request).decode())
+
+
+def _serve(request: str) -> None:
+    if _handler is None:
+        raise RuntimeError(f"the driver asked every rank for {request!r}, and nothing here serves it")
+    _handler(request)
 
 
 class _Watch:

@@ -200,7 +200,7 @@ def join_driver(label: str, *, poll_s: float = 0.5) -> None:
     collective (which fails after parallel.timeout_s); a driver that dies breaks the store and the wait, one
     whose heartbeat stops for parallel.driver_heartbeat_timeout_s raises heartbeat.DriverHungError. Meanwhile
     they serve the driver's requests (ask_ranks) in the order it makes them."""
-    global _driver_waits, _requests
+    global _driver_waits
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     from torch.distributed.distributed_c10d import _get_default_store
@@ -210,41 +210,20 @@ def join_driver(label: str, *, poll_s: float = 0.5) -> None:
     if is_main():
         store.set(key, "1")
         return
-    while True:  # a request the driver made before it finished comes first: it cannot finish without us
-        request_key = f"megatron_dapo/request/{_requests + 1}"
-        if heartbeat.wait_for_key(store, (request_key, key), _heartbeat_timeout_s, poll_s) == key:
-            return
-        _requests += 1
-        _serve(store.get(request_key).decode())
-
-
-_requests = 0
-"""Driver requests made (the driver) or served (every other rank) so far."""
-_handler: Callable[[str], None] | None = None
+    heartbeat.await_driver(store, key, _heartbeat_timeout_s, poll_s)
 
 
 def on_driver_request(handler: Callable[[str], None] | None) -> None:
     """Every rank, once: what a request of the driver's (ask_ranks) runs, on every rank; None: no requests."""
-    global _handler
-    _handler = handler
+    heartbeat.on_request(handler)
 
 
 def ask_ranks(request: str) -> None:
-    """The driver, while the other ranks wait in join_driver (from any thread; one request at a time): every rank
-    runs the registered handler on `request`, so it may hold collectives (the driver's own runs here)."""
-    global _requests
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        from torch.distributed.distributed_c10d import _get_default_store
+    """The driver, while the other ranks wait for it (join_driver, from_driver; from any thread, one request at a
+    time): every rank runs the registered handler on `request`, so it may hold collectives (the driver's here)."""
+    from torch.distributed.distributed_c10d import _get_default_store
 
-        _requests += 1
-        _get_default_store().set(f"megatron_dapo/request/{_requests}", request)
-    _serve(request)
-
-
-def _serve(request: str) -> None:
-    if _handler is None:
-        raise RuntimeError(f"the driver asked every rank for {request!r}, and nothing here serves it")
-    _handler(request)
+    heartbeat.ask(_get_default_store() if dist.is_initialized() and dist.get_world_size() > 1 else None, request)
 
 
 def from_driver(label: str, value: str) -> str:
@@ -258,7 +237,7 @@ def from_driver(label: str, value: str) -> str:
     if is_main():
         store.set(key, value)
         return value
-    store.wait([key])
+    heartbeat.await_driver(store, key, _heartbeat_timeout_s)
     return store.get(key).decode()
 
 
@@ -276,9 +255,8 @@ def destroy() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-    global _driver_waits, _requests, _handler
-    _driver_waits = _requests = 0
-    _handler = None
+    global _driver_waits
+    _driver_waits = 0
 
 
 # --- read access for the rest of the code base ------------------------------------------------

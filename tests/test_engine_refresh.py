@@ -3,7 +3,7 @@ wait for it and it generates them itself, in a stream and in rounds; one restart
 again at once where the run can give it the weights (servers on devices of their own) and from the next rollout where
 it cannot (colocated: the others generate on the devices the weights would need); one lost during a weight update is
 restarted after it and the phases' sync gives it the weights before the probe; the driver's requests reach every rank
-in order, collectives included (parallel.ask_ranks / join_driver)."""
+in order, collectives included (parallel.ask_ranks, served in join_driver and from_driver)."""
 
 from __future__ import annotations
 
@@ -110,8 +110,9 @@ class SyncedServer(Scripted):
     """A restartable engine fed by SGLang's node sync (NodeWeightSync's server side); `dies_in_update`: its
     process dies at its first bucket."""
 
-    def __init__(self, dies_in_update: bool = False) -> None:
+    def __init__(self, url: str, dies_in_update: bool = False) -> None:
         super().__init__()
+        self.url = url
         self.cfg, self.dies_in_update, self.buckets = SimpleNamespace(tensor_parallel=1), dies_in_update, 0
         self.weight_groups: list = []
 
@@ -148,7 +149,7 @@ class ResidentActor:
 
 
 def test_a_server_lost_during_the_weight_sync_is_restarted_and_takes_the_weights_in_that_sync(monkeypatch):
-    a, b = SyncedServer(dies_in_update=True), SyncedServer()
+    a, b = SyncedServer("http://127.0.0.1:30001", dies_in_update=True), SyncedServer("http://127.0.0.1:30002")
     restarts = Restarts(max_restarts=1)
     group = EngineGroup([a, b], names=["a", "b"], restarts=restarts)
     sync = NodeWeightSync.local([a, b], transport="tensor", bucket_bytes=64)
@@ -223,13 +224,17 @@ def _asking_rank(rank, world, port, out_dir):
         asker.join()
     parallel.join_driver("rollout", poll_s=0.05)
     parallel.join_driver("eval", poll_s=0.05)  # a wait with no request
-    torch.save(served, Path(out_dir) / f"rank_{rank}.pt")
+    if rank == 0:  # a server lost in a weight sync is restarted while the others wait for the driver's word
+        parallel.ask_ranks("third")
+    said = parallel.from_driver("stale", "a b" if rank == 0 else "")
+    dist.barrier()  # rank 0 serves the store: it stays until rank 1 has read its last key
+    torch.save((served, said), Path(out_dir) / f"rank_{rank}.pt")
     parallel.destroy()
 
 
-def test_every_rank_serves_the_drivers_requests_in_order_while_it_waits(tmp_path):
+def test_every_rank_serves_the_drivers_requests_in_order_while_it_waits_for_it(tmp_path):
     from spawn import run_ranks
 
     run_ranks(_asking_rank, str(tmp_path), nprocs=2, timeout_s=120)
     for rank in (0, 1):
-        assert torch.load(tmp_path / f"rank_{rank}.pt") == [("first", 3.0), ("second", 3.0)]
+        assert torch.load(tmp_path / f"rank_{rank}.pt") == ([("first", 3.0), ("second", 3.0), ("third", 3.0)], "a b")

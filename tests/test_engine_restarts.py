@@ -94,6 +94,38 @@ def test_a_hung_server_is_noticed_by_its_health_check_and_restarted(fake_python)
         server.shutdown()
 
 
+def test_an_attached_server_whose_process_died_is_restarted_by_the_rank_that_started_it(fake_python, tmp_path):
+    """Rank 0 drives another node's server (attached): it cannot see its process, so a port that refuses
+    connections is its loss; its restart is a request to the rank that started it (Phases.serve's
+    restart_server, here in one process), after which rank 0 attaches again. Without that, it is never lost."""
+    from megatron_dapo.config import SGLangConfig
+    from megatron_dapo.loop.phases import Phases
+    from megatron_dapo.rollout.sglang.engine import SGLangEngine
+    from megatron_dapo.rollout.sglang.updates import NodeWeightSync
+
+    owner = fake_python("serve")
+    attached = SGLangEngine(tmp_path, SGLangConfig(health_timeout_s=30), python=owner.python, port=owner.port,
+                            attach=True, device="cpu", log_dir=tmp_path / "logs")
+    node = Phases(None, None, colocate=False, weights=NodeWeightSync.local([owner], transport="tensor",  # type: ignore[arg-type]
+                                                                         bucket_bytes=64))
+    try:
+        assert attached.lost() is None and attached.health()
+        old = owner.pid
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while owner.dead_reason() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert attached.lost() is None  # not restartable: not rank 0's to restart
+        attached.restarter = lambda: node.serve(f"restart_server {attached.url}")
+        assert attached.lost() == "refuses connections (its process is gone)"
+        attached.kill()
+        attached.restart()
+        assert owner.pid != old and attached.lost() is None and attached.health() and attached.stale_weights
+    finally:
+        attached.shutdown()
+        owner.shutdown()
+
+
 def test_a_killed_server_is_reported_by_its_exit_code_though_its_workers_died_first(tiny_hf):
     """SIGKILL on a server's main process kills its workers with the thread that started them, while the main
     process is still tearing down (poll() says nothing yet): the reason is its exit code, not a dead worker."""

@@ -35,10 +35,12 @@ class SGLangConfig:
     from their prompts with their seeds, by the other servers meanwhile or, where none holds the current weights (a
     lone server), by itself. It takes the current weights from the actor as soon as the run can give them (the probe
     checks them): at once where nothing else generates or the servers have devices of their own
-    (rollout.colocate=false), else before the next rollout; one lost during a weight sync, in that sync. With
-    rollout.async_steps > 0 or several nodes (node-local weight sync) it waits for the next weight update instead,
-    and a lone server's loss stops the run; another node's servers (attached to rank 0) are not restarted: their
-    loss stops the run. The embedded engine's own process
+    (rollout.colocate=false), else before the next rollout; one lost during a weight sync, in that sync. Lagged
+    runs (rollout.lagged) give it the last snapshot the servers took again (kept for this: one more host copy of
+    the model). With rollout.async_steps=1 batches or weight_sync=distributed it waits for the next weight update
+    instead and a lone server's loss stops the run (distributed: a loss during the sync too). Another node's
+    server is restarted by that node's rank at rank 0's request (rank 0 sees its port refuse connections, or its
+    health check silent). The embedded engine's own process
     (rollout.colocate=false) comes back with the last weights and its pending groups. Past this many, the run
     stops with one line naming the engine and its log, saving nothing new."""
     health_timeout_s: float = knob(120.0, "(0, inf)", on_resume=True)

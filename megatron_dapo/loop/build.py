@@ -120,7 +120,7 @@ def _build(cfg: Config, tokenizer: Any, folder: Path, lock: run_dir.RunLock | No
     if offloads:  # the engine sizes its memory with the actor asleep, as it will generate
         actor.sleep()
     report.actor_bytes_at_engine_start = sum(actor.device_bytes().values())
-    restarts = Restarts(cfg.rollout.sglang.max_restarts)
+    restarts = Restarts(cfg.rollout.sglang.max_restarts, remote=cfg.rollout.async_steps == 0)
     engines = make_engine(cfg, actor, report, restarts)
     if engines.engine is not None and cfg.rollout.tools.enabled:
         engines.engine = _with_tools(engines.engine, cfg, tokenizer, report)

@@ -64,7 +64,7 @@ class Phases:
         self.engine_weights_lost = False
         self.step = 0
         self.resyncs = 0
-        self.stale_checks = 0
+        self.stale_checks = self.revives = 0
         self._refreshing = threading.Lock()
         self._target: RolloutEngine | None = None  # the driver's engines to refresh (serve)
         self._last_snapshot: WeightSnapshot | None = None  # lagged: the engine's weights (take_snapshot)
@@ -91,10 +91,16 @@ class Phases:
         self.step = step
         self._enter(self.model["sync"])
         stats = sync_weights(self.actor.module, self.actor.spec, self.weights or self.engine)
-        while self._any_stale():  # each pass took one restart from the run's budget
-            stats = self._sync_to(stale_engines(self.engine) if self.engine is not None else None)
+        _attached_took(self.engine)
+        for _ in range(_RESYNCS):  # a pass per server lost in the last: each took one restart from the budget
+            if not (names := self._stale_after_sync()):
+                break
+            stats = self._sync_to(stale_engines(self.engine) if self.engine is not None else None, names)
+        else:
+            raise WeightSyncError(f"rollout engines {names} still hold stale weights after {_RESYNCS} syncs")
         expected = self.probe.actor_logprobs(self.actor) if self.probe is not None else None
         self.engine_weights_lost = False
+        self._last_snapshot = None  # the engine holds these weights, not a snapshot's (lagged: before an evaluation)
         self._enter(self.model["generate"])
         if self.probe is not None:
             self.ledger["rollout/weight_sync_probe_absdiff"] = self.probe.check(self.engine, expected, step)
@@ -128,7 +134,7 @@ class Phases:
     def _from_snapshot(self, snap: WeightSnapshot, target: RolloutEngine) -> None:
         """`target` (the engine, or restarted engines of it) takes the snapshot's weights; the probe checked."""
         if self.weights is not None:
-            self.weights.only = self._indices(target) if target is not self.engine else None
+            self.weights.only = self._indices(_names(target)) if target is not self.engine else None
             try:
                 error = self.weights.update(iter(snap.tensors)).error
             finally:
@@ -142,16 +148,17 @@ class Phases:
             self.probe.verdict(diff, snap.version)
             self.ledger["rollout/weight_sync_probe_absdiff"] = diff
 
-    def _any_stale(self) -> bool:
-        """Every rank: whether a server of the driver's was lost in the update just made (then restarted: revive) or
-        holds stale weights otherwise; the driver says (host-side)."""
-        stale = False
+    def _stale_after_sync(self) -> str:
+        """Every rank: the driver's engines that hold stale weights, a server lost in the update just made restarted
+        now (revive; an attached one by its own rank, which serves that request while it waits here), named as the
+        driver names them (host-side); "" when there are none."""
+        names = ""
         if self.engine is not None and self._targeted():
             if hasattr(self.engine, "revive"):
-                self.engine.revive()
-            stale = stale_engines(self.engine) is not None
+                self.engine.revive(remote=True)
+            names = _names(stale_engines(self.engine))
         self.stale_checks += 1
-        return parallel.from_driver(f"stale_engines/{self.stale_checks}", "1" if stale else "") == "1"
+        return parallel.from_driver(f"stale_engines/{self.stale_checks}", names)
 
     def _targeted(self) -> bool:
         """Whether an update can go to some of the engines only (not with the servers' NCCL broadcast group)."""
@@ -168,7 +175,7 @@ class Phases:
         False (nothing done) where it cannot (can_refresh). One refresh at a time."""
         if self.lagged:  # the engine generates on devices of its own, from snapshots: the last one again
             with self._refreshing:
-                if self._last_snapshot is None:  # none taken yet (they hold the start's weights, not known here)
+                if self._last_snapshot is None:  # none taken since the start or a direct sync (an evaluation)
                     return False
                 self._from_snapshot(self._last_snapshot, target)
             return True
@@ -176,42 +183,51 @@ class Phases:
             return False
         with self._refreshing:
             self._target = target
-            parallel.ask_ranks("refresh_engines")
+            parallel.ask_ranks(f"refresh_engines {_names(target)}")
         return True
 
     def serve(self, request: str) -> None:
-        """Every rank: a driver's request (parallel.on_driver_request)."""
-        if request != "refresh_engines":
+        """Every rank: a driver's request (parallel.on_driver_request): `refresh_engines <names>` (refresh), or
+        `restart_server <url>` (an attached server's restart, by the rank that started it: SGLangServer.restarter)."""
+        what, _, names = request.partition(" ")
+        if what == "restart_server":
+            for server in self.weights.servers if self.weights is not None else []:
+                if server.url == names:
+                    server.restart()
+            parallel.barrier()  # the driver goes on once it answers
+            return
+        if what != "refresh_engines":
             raise ValueError(f"unknown driver request {request!r}")
         target, self._target = self._target, None
         if self.colocate:
             self._enter(self.model["sync"])
-        self._sync_to(target)
+        self._sync_to(target, names)
         expected = self.probe.actor_logprobs(self.actor) if self.probe is not None else None
         if self.colocate:
             self._enter(self.model["generate"])
         if self.probe is not None:
             self.ledger["rollout/weight_sync_probe_absdiff"] = self.probe.check(target, expected, self.step)
 
-    def _sync_to(self, target: RolloutEngine | None) -> SyncStats:
-        """Collective: the actor's weights to `target` (the driver's stale engines; None elsewhere) alone: with
-        SGLang each rank's part of its node's update, the driver's node posting to those servers only."""
+    def _sync_to(self, target: RolloutEngine | None, names: str) -> SyncStats:
+        """Collective: the actor's weights to the driver's engines `target` (None elsewhere), named `names`, alone:
+        with SGLang each rank's part of its node's update, each node posting to those of its servers only."""
         if self.weights is None:
             return sync_weights(self.actor.module, self.actor.spec, target)
-        self.weights.only = self._indices(target)
+        self.weights.only = self._indices(names)
         try:
-            return sync_weights(self.actor.module, self.actor.spec, self.weights)
+            stats = sync_weights(self.actor.module, self.actor.spec, self.weights)
         finally:
             self.weights.only = None
+        _attached_took(target)
+        return stats
 
-    def _indices(self, target: RolloutEngine | None) -> list[int]:
-        """Which of this rank's node sync's servers `target` (an engine of them, or a group) holds."""
-        members = [] if target is None else list(getattr(target, "engines", [target]))
-        return [k for k, server in enumerate(self.weights.servers) if server in members] if self.weights else []
+    def _indices(self, names: str) -> list[int]:
+        """Which of this rank's node sync's servers `names` (urls) name."""
+        urls = set(names.split())
+        return [k for k, server in enumerate(self.weights.servers) if server.url in urls] if self.weights else []
 
     def _enter(self, phase: Phase) -> None:
-        if self.engine is not None and hasattr(self.engine, "revive"):  # a server lost between rollouts
-            self.engine.revive()
+        self._revive()
         moves_engine = self.colocate and self.engine is not None
         released = [t for t in ENGINE_STATE if t not in phase.engine] if self.colocate else []
         if moves_engine and released:
@@ -232,6 +248,20 @@ class Phases:
             self._note(f"engine_resuming {','.join(phase.engine)}")
             self.engine.wake(None if set(phase.engine) == set(ENGINE_STATE) else phase.engine)
         self._record(phase)
+
+    def _revive(self) -> None:
+        """Servers lost between rollouts are restarted before the engines move or take weights. Another node's
+        (attached) is restarted by its own rank: where the servers restart (every rank knows it), the other ranks
+        wait for the driver's word meanwhile, serving that request."""
+        revive = getattr(self.engine, "revive", None) if self.engine is not None else None
+        if self.weights is None or not self.weights.restartable:
+            if revive is not None:
+                revive()
+            return
+        if revive is not None:
+            revive(remote=True)
+        self.revives += 1
+        parallel.from_driver(f"revived/{self.revives}", "")
 
     def _note(self, event: str) -> None:
         self.transitions.append((time.monotonic(), event))
@@ -255,3 +285,30 @@ def device_memory(phase: str) -> dict[str, float]:
     return {f"memory/device_allocated_{phase}": float(torch.cuda.memory_allocated()),
             f"memory/device_reserved_{phase}": float(torch.cuda.memory_reserved()),
             f"memory/device_used_{phase}": float(total - free)}
+
+
+def _members(engine: RolloutEngine | None) -> list[RolloutEngine]:
+    """The engines `engine` drives: a group's (nested groups too), a wrapper's (ToolEngine.inner), or itself."""
+    if engine is None:
+        return []
+    if isinstance(inner := getattr(engine, "inner", None), RolloutEngine):
+        return _members(inner)
+    group = getattr(engine, "engines", None)
+    return [m for e in group for m in _members(e)] if group is not None else [engine]
+
+
+def _names(engine: RolloutEngine | None) -> str:
+    """Restarted engines as the ranks name them: the servers' urls (every node knows its own), else their kinds."""
+    return " ".join(getattr(m, "url", type(m).__name__) for m in _members(engine))
+
+
+_RESYNCS = 8
+"""Syncs of restarted servers in one weight sync, at most (each one lost in the last pass, restarted)."""
+
+
+def _attached_took(engine: RolloutEngine | None) -> None:
+    """The driver, after a sync every rank finished: its attached servers among `engine` took the weights from
+    their own nodes (SGLangEngine.took_weights_elsewhere)."""
+    for member in _members(engine):
+        if getattr(member, "attached", False):
+            member.took_weights_elsewhere()  # type: ignore[attr-defined]

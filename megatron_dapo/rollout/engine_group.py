@@ -170,7 +170,7 @@ class EngineGroup(RolloutEngine):
         if failure:
             raise failure[0]
         if not others:  # nothing else generates with the current weights: k takes them and generates its chunk
-            if not rec.refresh(self.engines[k], True):
+            if not rec.refresh(self.engines[k], True) or not rec.fresh(k):
                 raise EngineLostError(f"rollout engine {self.names[k]}: {why or 'holds stale weights'}; no other "
                                       "engine holds the current weights to take its groups, and the run cannot give "
                                       "them to it now; stopped without saving")
@@ -240,11 +240,13 @@ class EngineGroup(RolloutEngine):
             raise EngineGroupError(f"{what} failed on rollout engine {name}: {error}") from error
         return results
 
-    def revive(self) -> None:
+    def revive(self, remote: bool = False) -> None:
         """Restart every lost engine now, all at once (one lost between rollouts held no group); the loop calls
-        it at each phase change, before the engines are moved or take weights."""
+        it at each phase change, before the engines are moved or take weights. `remote`: attached servers too,
+        whose own ranks restart them (the other ranks must be waiting for the driver: parallel.ask_ranks)."""
         if self.recovery is not None:
-            self._restart_all([(k, why) for k in range(len(self.engines)) if (why := self.recovery.lost(k))])
+            self._restart_all([(k, why) for k in range(len(self.engines)) if (remote or not getattr(
+                self.engines[k], "attached", False)) and (why := self.recovery.lost(k))])
 
     def sleep(self, tags: Sequence[str] | None = None) -> None:
         self._all(lambda e: e.sleep() if tags is None else e.sleep(tags), "sleep")

@@ -29,6 +29,9 @@ class Restarts:
     max_restarts: int
     engine_restarts: int = 0
     resubmitted_groups: int = 0
+    remote: bool = True
+    """Another node's servers can be restarted (by their own ranks, at the driver's request): the other ranks
+    wait for the driver while it generates (rollout.async_steps = 0)."""
     refresh: Callable[[Any, bool], bool] | None = field(default=None, repr=False)
     """refresh(engines, idle): the restarted `engines` take the current weights now, mid-rollout; False where they
     cannot (`idle`: no engine of the run generates meanwhile). The loop's (Phases.refresh); None: they wait for the

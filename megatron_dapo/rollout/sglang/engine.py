@@ -376,6 +376,10 @@ class SGLangEngine(SGLangServer, RolloutEngine):
         self.post("/update_weights_from_disk", {"model_path": str(folder), "flush_cache": False,
                                                 "weight_version": version})
 
+    def took_weights_elsewhere(self) -> None:
+        """An attached server took the weights from its own node's ranks (the sync raised on no rank)."""
+        self.stale_weights = False
+
     def record_update(self, transport: str, counts: NodeSyncCounts) -> None:
         self.stale_weights = False
         self.last_update = WeightUpdateStats(seconds=counts.seconds, bytes=counts.bytes,

@@ -11,6 +11,7 @@ of nodes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import secrets
 import socket
@@ -164,9 +165,9 @@ def start_job_servers(model_path: str | Path, cfg: SGLangConfig, restarts: Resta
             server.shutdown()
         raise SGLangServerError("SGLang servers failed to start:\n" + "\n".join(failures))
     sync = _node_weight_sync(owned, nodes, rank, cfg, count, colocated, sync_bytes, host)
+    sync.restartable = restartable(restarts) and (rank == 0 or restarts.remote)  # restarted from rank 0
     if rank != 0:
         return JobServers(None, owned, sync)
-    sync.restartable = restartable(restarts)
     remote: list[SGLangEngine] = []
     for r, urls in enumerate(reports):
         if urls is None or r == 0:
@@ -175,6 +176,8 @@ def start_job_servers(model_path: str | Path, cfg: SGLangConfig, restarts: Resta
             remote_host, port = url.removeprefix("http://").rsplit(":", 1)
             remote.append(SGLangEngine(model_path, cfg, host=remote_host, port=int(port), attach=True,
                                        trainer_host=host, **engine_kwargs))
+            if restartable(restarts) and restarts.remote:  # by the rank that started it, waiting for the driver
+                remote[-1].restarter = functools.partial(parallel.ask_ranks, f"restart_server {url}")
     log.info("SGLang servers: %s; each node's servers take their weights from the node's own ranks (%s)",
              ", ".join([e.url for e in owned] + [f"{e.url} (attached)" for e in remote]), cfg.weight_sync)
     engine = recoverable([*owned, *remote], restarts)

@@ -4,10 +4,12 @@ the kill of a whole process group, a log tail. Nothing here knows SGLang; `serve
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
@@ -104,6 +106,20 @@ def widen_cpu_affinity() -> None:
 def port_in_use(host: str, port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex((host, port)) == 0
+
+
+def refuses_connections(host: str, port: int, patience_s: float = 0.0) -> bool:
+    """Whether the port refuses connections (nothing listens), now or within `patience_s` (a killed process drops
+    its connections a moment before its port closes). A port that does not answer is not refusing."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        with socket.socket() as s:
+            s.settimeout(2.0)
+            if s.connect_ex((host, port)) == errno.ECONNREFUSED:
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def child_processes(pid: int) -> list[tuple[int, float]]:

@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from pathlib import Path
 from typing import Any, Literal
@@ -40,6 +40,7 @@ from megatron_dapo.rollout.sglang.process import (
     in_lasting_thread,
     kill_process_group,
     port_in_use,
+    refuses_connections,
     same_process,
     start_server_process,
 )
@@ -110,6 +111,9 @@ class SGLangServer:
         self._watchdog: int | None = None  # the write end of the pipe the server's watchdog reads
         self._children: list[tuple[int, float]] = []
         self.attached = attach
+        self.restarter: Callable[[], None] | None = None
+        """An attached server's restart by the rank that started it (rank 0's: fleet.py); None: never restarted."""
+        self._call_failed: float | None = None  # when a call last failed (time.monotonic)
         self._health: HealthWatch | None = None
         self._ready = threading.Event()  # clear while a restart is under way: calls wait for it
         self._ready.set()
@@ -193,7 +197,7 @@ class SGLangServer:
                 )
             time.sleep(0.5)
         self._children = child_processes(self._proc.pid) if self._proc is not None else []
-        if self._proc is not None:
+        if self._proc is not None or self.attached:
             self._health = HealthWatch(lambda path, t: self._http("GET", path, None, timeout=t)[0],
                                        self.cfg.health_timeout_s)
 
@@ -239,25 +243,43 @@ class SGLangServer:
         return self._health.hung() if self._health is not None else None
 
     def lost(self) -> str | None:
-        """Why a started server is lost for good (dead, or hung), None while it serves or after shutdown()."""
-        if self.attached or self._closed or not self._ready.is_set():
+        """Why a started server is lost for good (dead: an attached one's port refuses connections; or hung)."""
+        if self._closed or not self._ready.is_set() or (self.attached and self.restarter is None):
             return None
+        if self.attached:
+            return self.hung() or self._refuses()
         return self.dead_reason() or self.hung()
 
+    def _refuses(self) -> str | None:
+        """An attached server's port refuses connections; for a few seconds right after a call of ours failed."""
+        patient = self._call_failed is not None and time.monotonic() - self._call_failed < 30
+        gone = refuses_connections(self.host, self.port, patience_s=3.0 if patient else 0.0)
+        return "refuses connections (its process is gone)" if gone else None
+
     def kill(self) -> None:
-        """Stop the server's whole process group at once (a hung server gets no grace); calls wait for restart()."""
-        if self.attached:
+        """Stop the server's process group at once (no grace); calls wait for restart() (an attached one's)."""
+        if self.attached and self.restarter is None:
             raise EngineStateError(f"SGLang engine {self.url} is attached: its own node restarts it")
         self._ready.clear()
+        if self.attached:
+            if self._health is not None:
+                self._health.stop()
+                self._health = None
+            return
         self._kill(grace_s=0.0)
 
     def restart(self) -> None:
         """Stop the server for good (its whole process group, at once: a hung server gets no grace) and start
-        it again on the same devices and port; returns once it answers. It holds the checkpoint's weights."""
+        it again on the same devices and port; returns once it answers. It holds the checkpoint's weights. An
+        attached one is restarted by the rank that started it (`restarter`)."""
         self.kill()
         self._closed = False
         try:
-            in_lasting_thread(self._start)
+            if self.attached:
+                self.restarter()  # type: ignore[misc]
+                self._started_at, self._call_failed = time.monotonic(), None
+            else:
+                in_lasting_thread(self._start)
         except BaseException:
             self._closed = True
             self._ready.set()
@@ -338,6 +360,7 @@ class SGLangServer:
             if time.monotonic() >= deadline:
                 raise self._error(f"did not answer {method} {path} within {timeout:.0f} s")
         if "error" in result:
+            self._call_failed = time.monotonic()
             dead = self._dead_reason_settled(connection_failed=True)
             if dead is not None:
                 raise self._error(f"{dead} while serving {method} {path}") from result["error"]

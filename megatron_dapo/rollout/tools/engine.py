@@ -92,12 +92,12 @@ class ToolEngine(RolloutEngine):
     def health(self) -> bool:
         return self.inner.health()
 
-    def revive(self) -> None:
+    def revive(self, remote: bool = False) -> None:
         """Restart what the wrapped engine lost between rollouts (an SGLang group's server, the process engine's
-        child), if it restarts engines: the loop calls this at each phase change."""
+        child), if it restarts engines: the loop calls this at each phase change (EngineGroup.revive)."""
         revive = getattr(self.inner, "revive", None)
         if revive is not None:
-            revive()
+            revive(remote) if remote else revive()
 
     def stale_part(self) -> RolloutEngine | None:
         """The wrapped engine's restarted engines that still hold stale weights (restarts.stale_engines)."""
