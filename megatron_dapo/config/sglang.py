@@ -40,7 +40,8 @@ class SGLangConfig:
     the model). With rollout.async_steps=1 batches or weight_sync=distributed it waits for the next weight update
     instead and a lone server's loss stops the run (distributed: a loss during the sync too). Another node's
     server is restarted by that node's rank at rank 0's request (rank 0 sees its port refuse connections, or its
-    health check silent). The embedded engine's own process
+    health check silent); not with rollout.async_steps > 0 (that rank trains meanwhile): its loss stops the run.
+    The embedded engine's own process
     (rollout.colocate=false) comes back with the last weights and its pending groups. Past this many, the run
     stops with one line naming the engine and its log, saving nothing new."""
     health_timeout_s: float = knob(120.0, "(0, inf)", on_resume=True)
