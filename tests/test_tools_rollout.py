@@ -149,10 +149,11 @@ def test_the_wrapped_engine_restarts_what_it_lost():
     holds): through a ToolEngine too, and a wrapped engine that restarts nothing is left alone."""
     revived = []
     policy = ScriptedPolicy({"Q:": [TURN0, TURN1]})
-    policy.revive = lambda: revived.append(True)  # type: ignore[attr-defined]
+    policy.revive = lambda remote=False: revived.append(remote)  # type: ignore[attr-defined]
     ToolEngine(policy, CFG, TOK, echo_tool, eos_ids=[EOS]).revive()
+    ToolEngine(policy, CFG, TOK, echo_tool, eos_ids=[EOS]).revive(remote=True)  # another node's servers too
     tool_engine({"Q:": [TURN0, TURN1]}).revive()
-    assert revived == [True]
+    assert revived == [False, True]
 
 
 def test_config_refuses_what_multi_turn_samples_cannot_use():

@@ -97,7 +97,7 @@ class ToolEngine(RolloutEngine):
         child), if it restarts engines: the loop calls this at each phase change (EngineGroup.revive)."""
         revive = getattr(self.inner, "revive", None)
         if revive is not None:
-            revive(remote) if remote else revive()
+            revive(remote=remote)
 
     def stale_part(self) -> RolloutEngine | None:
         """The wrapped engine's restarted engines that still hold stale weights (restarts.stale_engines)."""
