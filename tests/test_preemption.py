@@ -106,9 +106,10 @@ def test_sigterm_while_the_servers_start_stops_at_once(base_dir, fake_exe, tmp_p
     cmd = train_cmd(base_dir, tmp_path, "starting", "rollout.engine=sglang", f"rollout.sglang.base_port={port}",
                     "rollout.sglang.startup_timeout_s=600", "train.steps=2")
     env = {**python_env, "MEGATRON_DAPO_SGLANG_PYTHON": str(fake_exe), "FAKE_SGLANG_MODE": mode}
+    log = logs / f"sglang-127.0.0.1-{port}.log"
+    log.unlink(missing_ok=True)  # an earlier server's on this port (the other mode's) would pass for this one's
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    log = logs / f"sglang-127.0.0.1-{port}.log"
     try:
         wait_until(lambda: log.is_file() and "fake sglang" in log.read_text(), timeout=300)
         server = next(p.pid for p in psutil.Process(proc.pid).children(recursive=True)
