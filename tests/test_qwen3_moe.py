@@ -62,12 +62,9 @@ def hf_dirs(tmp_path_factory):
 
 
 def run_worker(case, dirs, out, tp, pp, ep, ranks, env, timeout=500):
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-           str(free_port()), str(WORKER), case, ",".join(map(str, dirs)), str(out), str(tp), str(pp), str(ep)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    return [torch.load(out / f"rank_{i}.pt", weights_only=False) for i in range(ranks)]
+    """One run of the worker: its results by rank."""
+    entry = {"case": case, "hf_dirs": [str(d) for d in dirs], "out": out, "tp": tp, "pp": pp, "ep": ep}
+    return launch_plan(WORKER, ranks, [entry], env, timeout)[0]
 
 
 def _hf(hf_dir):

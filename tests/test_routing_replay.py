@@ -242,11 +242,9 @@ def test_replay_is_exact_at_ep2_and_pp2(hf_dir, tmp_path, env, layout):
     ratio 1 against transformers' forced policy on every rank, the loss the advantages alone give. r2 (this stage's
     layers of the routes) and r3 (every layer's, as a rollout returns them: the pi_old pass replays them too and
     computes that forced policy), one after the other in one launch."""
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from megatron_dapo.parallel import free_port
+    from support import launch_plan
 
     batch = _batch()
     forced = _random_routes(batch)
@@ -255,15 +253,12 @@ def test_replay_is_exact_at_ep2_and_pp2(hf_dir, tmp_path, env, layout):
     torch.save(batch, tmp_path / "batch.pt")
     tp, pp, ep = LAYOUTS[layout]
     worker = Path(__file__).parent / "workers" / "moe_worker.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(worker), "replay", str(hf_dir), str(tmp_path), str(tp), str(pp), str(ep)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**env, "REPLAY_BATCH": str(tmp_path / "batch.pt")},
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-5000:]
+    entry = {"case": "replay", "hf_dirs": [str(hf_dir)], "out": tmp_path / "out", "tp": tp, "pp": pp, "ep": ep}
+    ranks = launch_plan(worker, 2, [entry], {**env, "REPLAY_BATCH": str(tmp_path / "batch.pt")}, timeout=300)[0]
     loss = -(batch.advantages[:, None] * batch.loss_mask).sum().item() / batch.loss_mask.sum().item()
     valid = torch.arange(batch.input_ids.shape[1])[None, 1:] < batch.lengths[:, None]
     for rank in range(2):
-        res = torch.load(tmp_path / f"rank_{rank}.pt", weights_only=False)["models"][hf_dir.name]
+        res = ranks[rank]["models"][hf_dir.name]
         assert torch.allclose(res["r3"]["old_logprobs"][:, 1:][valid], batch.old_logprobs[:, 1:][valid], atol=1e-5)
         for mode in ("r2", "r3"):
             m = res[mode]["metrics"]

@@ -1,9 +1,10 @@
-"""Run under torchrun by tests/test_qwen3_moe.py: Qwen3 / MoE models at one TP x PP x EP layout.
+"""Run under torchrun by tests/test_qwen3_moe.py and tests/test_routing_replay.py: Qwen3 / MoE models at
+TP x PP x EP layouts.
 
-    torchrun --nproc_per_node N tests/workers/moe_worker.py CASE HF_DIR[,HF_DIR...] OUT_DIR TP PP EP
     torchrun --nproc_per_node N tests/workers/moe_worker.py plan PLAN_JSON
 
-A plan: several runs of one world size in one launch (actor_worker.run_plan; entries case, hf_dirs, out, tp, pp, ep).
+The plan: runs of this world size in one launch (actor_worker.run_plan; entries case, hf_dirs, out, tp, pp, ep), each
+at its TP x PP x EP layout.
 
 CASE "logits": load each HF folder into a model built to be loaded, save the logits of the conversion
 tool's fixed verification batch and whether exporting gives back every HF tensor bit for bit.
@@ -91,12 +92,8 @@ def replay(hf_dir: str, cfg, mode: str = "r2") -> dict:
 
 
 def main() -> None:
-    if sys.argv[1] == "plan":
-        run_plan(sys.argv[2], lambda e: run(e["case"], e["hf_dirs"], e["out"], e["tp"], e["pp"], e["ep"]))
-        return
-    tp, pp, ep = (int(x) for x in sys.argv[4:7])
-    run(sys.argv[1], sys.argv[2].split(","), sys.argv[3], tp, pp, ep)
-    parallel.destroy()
+    assert sys.argv[1] == "plan", __doc__
+    run_plan(sys.argv[2], lambda e: run(e["case"], e["hf_dirs"], e["out"], e["tp"], e["pp"], e["ep"]))
 
 
 def run(case: str, hf_dirs: list[str], out: str, tp: int, pp: int, ep: int) -> None:
