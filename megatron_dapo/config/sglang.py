@@ -41,8 +41,7 @@ class SGLangConfig:
     instead and a lone server's loss stops the run (distributed: a loss during the sync too). Another node's
     server is restarted by that node's rank at rank 0's request (rank 0 sees its port refuse connections, or its
     health check silent); not with rollout.async_steps > 0 (that rank trains meanwhile): its loss stops the run.
-    The embedded engine's own process
-    (rollout.colocate=false) comes back with the last weights and its pending groups. Past this many, the run
-    stops with one line naming the engine and its log, saving nothing new."""
+    The embedded engine's own process (rollout.colocate=false) comes back with the last weights and its pending
+    groups. Past this many, the run stops with one line naming the engine and its log, saving nothing new."""
     health_timeout_s: float = knob(120.0, "(0, inf)", on_resume=True)
     """A server whose health check (its load report, rollout/sglang/health.py) goes unanswered this long is hung."""

@@ -93,9 +93,10 @@ class Phases:
         stats = sync_weights(self.actor.module, self.actor.spec, self.weights or self.engine)
         _attached_took(self.engine)
         for _ in range(_RESYNCS):  # a pass per server lost in the last: each took one restart from the budget
-            if not (names := self._stale_after_sync()):
+            stale, names = self._stale_after_sync()
+            if not names:
                 break
-            stats = self._sync_to(stale_engines(self.engine) if self.engine is not None else None, names)
+            stats = self._sync_to(stale, names)
         else:
             raise WeightSyncError(f"rollout engines {names} still hold stale weights after {_RESYNCS} syncs")
         expected = self.probe.actor_logprobs(self.actor) if self.probe is not None else None
@@ -148,17 +149,17 @@ class Phases:
             self.probe.verdict(diff, snap.version)
             self.ledger["rollout/weight_sync_probe_absdiff"] = diff
 
-    def _stale_after_sync(self) -> str:
-        """Every rank: the driver's engines that hold stale weights, a server lost in the update just made restarted
-        now (revive; an attached one by its own rank, which serves that request while it waits here), named as the
-        driver names them (host-side); "" when there are none."""
-        names = ""
+    def _stale_after_sync(self) -> tuple[RolloutEngine | None, str]:
+        """Every rank: the driver's engines that hold stale weights (the driver's; None elsewhere), a server lost in
+        the update just made restarted now (revive; an attached one by its own rank, which serves that request while
+        it waits here), and their names as the driver says them (host-side; "" when there are none)."""
+        stale = None
         if self.engine is not None and self._targeted():
             if hasattr(self.engine, "revive"):
                 self.engine.revive(remote=True)
-            names = _names(stale_engines(self.engine))
+            stale = stale_engines(self.engine)
         self.stale_checks += 1
-        return parallel.from_driver(f"stale_engines/{self.stale_checks}", names)
+        return stale, parallel.from_driver(f"stale_engines/{self.stale_checks}", _names(stale))
 
     def _targeted(self) -> bool:
         """Whether an update can go to some of the engines only (not with the servers' NCCL broadcast group)."""

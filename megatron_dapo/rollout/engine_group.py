@@ -170,7 +170,7 @@ class EngineGroup(RolloutEngine):
         if failure:
             raise failure[0]
         if not others:  # nothing else generates with the current weights: k takes them and generates its chunk
-            if not rec.refresh(self.engines[k], True) or not rec.fresh(k):
+            if not rec.make_current(k, True):
                 raise EngineLostError(f"rollout engine {self.names[k]}: {why or 'holds stale weights'}; no other "
                                       "engine holds the current weights to take its groups, and the run cannot give "
                                       "them to it now; stopped without saving")

@@ -202,7 +202,7 @@ class GroupStream(RolloutStream):
                 if self._closed:  # the rollout is over: the next one gives it the weights first
                     return
                 idle = not any(self.live(j) for j in range(len(self._streams)) if j != k)
-            if not self._recovery.refresh(self._recovery.engines[k], idle) or not self._recovery.fresh(k):
+            if not self._recovery.make_current(k, idle):
                 if held:
                     raise EngineLostError(f"rollout engine {self._names[k]} was lost and no other engine holds the "
                                           "current weights to take its groups, nor can the run give them to it now; "

@@ -104,6 +104,10 @@ class EngineRecovery:
         """`engine` (restarted engines) takes the current weights now, if the run can give them (Restarts.refresh)."""
         return self.restarts.refresh is not None and self.restarts.refresh(engine, idle)
 
+    def make_current(self, k: int, idle: bool) -> bool:
+        """Restarted engine k takes the current weights now (refresh); whether it holds them after."""
+        return self.refresh(self.engines[k], idle) and self.fresh(k)
+
     def restart(self, k: int) -> None:
         """Blocking; EngineLostError when it does not start again."""
         try:
