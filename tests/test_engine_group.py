@@ -2,15 +2,18 @@
 real embedded engines against one engine, and with recording / failing engines for the contract."""
 
 import threading
+import time
 from typing import Any
 
 import pytest
 import torch
 
 from megatron_dapo.rollout import EmbeddedEngine, SamplingParams
-from megatron_dapo.rollout.base import RolloutEngine
+from megatron_dapo.rollout.base import AbortReport, GenerationAborted, GroupRequest, GroupResult, RolloutEngine, RolloutStream
 from megatron_dapo.rollout.engine_group import EngineGroup, EngineGroupError, split_evenly, split_weighted
+from megatron_dapo.rollout.group_stream import GroupStream
 from megatron_dapo.tiny import tiny_model
+from megatron_dapo.types import Sample
 
 SMALL: dict[str, Any] = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -158,3 +161,57 @@ def test_a_failing_weight_update_neither_hangs_nor_hides():
     assert done.wait(30), "update_weights hung after an engine failed"
     assert err and "on rollout engine bad" in err[0] and "unknown weight 'w3'" in err[0]
     assert bad.received == names[:3] and good.received == names[: len(good.received)]
+
+
+class _FinishesDuringAbort(RolloutStream):
+    """One engine's stream whose pending group 0 finishes while an abort is sending its cancellations."""
+
+    def __init__(self) -> None:
+        self.queue: list[GroupRequest] = []
+        self.finish, self.taken = threading.Event(), threading.Event()
+
+    @property
+    def pending(self) -> int:
+        return len(self.queue)
+
+    def submit(self, requests):
+        self.queue += list(requests)
+
+    def next(self):
+        self.finish.wait(10)
+        if not self.queue:
+            raise GenerationAborted("aborted")
+        r = self.queue.pop(0)
+        return GroupResult(key=r.key, samples=[Sample(list(r.prompt_ids), [1], [-0.5], "stop")])
+
+    def abort(self):
+        self.finish.set()  # group 0 comes back as the abort goes out: the consumer may take it meanwhile
+        self.taken.wait(1.0)
+        keys, self.queue = [r.key for r in self.queue], []
+        return AbortReport(keys=keys, tokens=0, partial={k: [] for k in keys})
+
+
+def test_a_group_finished_during_an_abort_is_reported_by_it_not_delivered():
+    """An abort from another thread (fully async: the publisher of newer weights) names every pending group in
+    its report, with its samples; a group finishing meanwhile is not also handed to the waiting consumer."""
+    inner = _FinishesDuringAbort()
+    stream = GroupStream([inner], ["s0"], [1])
+    stream.submit([GroupRequest(key=k, prompt_ids=[k], n=1, sampling=SamplingParams()) for k in (0, 1)])
+    got: list[Any] = []
+
+    def consume():
+        try:
+            got.append(stream.next())
+        except GenerationAborted as e:
+            got.append(e)
+        inner.taken.set()
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    time.sleep(0.2)  # the consumer waits in next()
+    report = stream.abort()
+    consumer.join(10)
+    stream.close()
+    assert report.keys == [0, 1] and sorted(report.partial) == [0, 1]
+    assert report.partial[0][0].response_ids == [1]
+    assert len(got) == 1 and isinstance(got[0], GenerationAborted)

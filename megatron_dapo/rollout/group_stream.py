@@ -93,8 +93,8 @@ class GroupStream(RolloutStream):
         with self._cond:
             if not self._owner:
                 raise EngineStateError("engine group stream: no group is pending")
-            epoch = self._epoch
-            while not self._ready and not self._errors and self._epoch == epoch:
+            epoch = self._epoch  # an abort under way has named the pending groups: none is delivered now
+            while self._aborting or (not self._ready and not self._errors and self._epoch == epoch):
                 self._cond.wait()
             if self._epoch != epoch:  # e.g. this group nested in another whose abort() reached us
                 raise GenerationAborted("engine group stream: aborted")
