@@ -89,6 +89,31 @@ def test_rng_states_round_trip_without_pickle(tmp_path):
     assert (tmp_path / "rng.safetensors").read_bytes()[:8] != b"\x80\x04\x95"  # not a pickle
 
 
+def test_the_trainer_states_tensors_go_to_safetensors_beside_its_json(tmp_path):
+    """Routes carried by partial rollout (and a pipeline's batches) are tensors: they leave the JSON for a safetensors
+    file and come back with their dtype, shape and values."""
+    from megatron_dapo.actor.checkpoint_files import STATE_FILE, TENSORS_FILE, read_state, write_state
+    from megatron_dapo.collect.carry import PartialCarry
+    from megatron_dapo.rollout.base import GroupRequest, SamplingParams
+    from megatron_dapo.types import Prompt, Sample
+
+    routes = torch.randint(0, 200, (5, 2, 4), dtype=torch.uint8)
+    sample = Sample([1, 2, 3], [4, 5, 6], [-0.5, -0.25, -1.0], "abort", routes=routes)
+    carry = PartialCarry([(Prompt("math/0", ({"role": "user", "content": "3+4"},), "7"), GroupRequest(
+        key=0, prompt_ids=[1, 2, 3], n=2, sampling=SamplingParams(seed=9), resume=(sample, Sample([1, 2, 3], [], [], "abort"))))])
+    write_state(tmp_path, {"step": 3, "trainer": {"carry": carry.state_dict(), "wide": torch.arange(3, dtype=torch.int16)}})
+    assert (tmp_path / TENSORS_FILE).is_file() and "__tensor__" in (tmp_path / STATE_FILE).read_text()
+    state = read_state(tmp_path)
+    back = PartialCarry.from_state(state["trainer"]["carry"])
+    got = back.groups[0][1].resume
+    assert got[0].routes.dtype == torch.uint8 and torch.equal(got[0].routes, routes) and got[1].routes is None
+    assert got[0].response_ids == [4, 5, 6] and back.groups[0][0].ground_truth == "7"
+    assert state["trainer"]["wide"].dtype == torch.int16 and state["step"] == 3
+    (tmp_path / "plain").mkdir()
+    write_state(tmp_path / "plain", {"step": 1})
+    assert not (tmp_path / "plain" / TENSORS_FILE).exists() and read_state(tmp_path / "plain") == {"step": 1}
+
+
 def test_the_package_never_unpickles():
     """No torch.load(weights_only=False) and no pickle.load(s) anywhere in megatron_dapo/."""
     hits = []

@@ -92,3 +92,52 @@ def test_the_process_engine_brings_them_back_from_its_child(moe, tmp_path):
     local = EmbeddedEngine(moe).generate(PROMPTS, 2, sampling)
     for a, b in zip((s for g in remote for s in g), (s for g in local for s in g)):
         assert a.response_ids == b.response_ids and torch.equal(a.routes, b.routes)
+
+
+def test_a_resumed_sample_keeps_its_carried_routes_and_routes_the_rest_anew(moe):
+    """Partial rollout with r3: an aborted sample hands back its routes so far; resumed on other weights, the
+    positions before its last carried token keep them (the weights that generated those tokens routed them) and the
+    rest are the new weights' routes."""
+    import copy
+    import dataclasses
+
+    top_k = moe.config.num_experts_per_tok
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12, seed=7, return_routes=True, ignore_eos=True)
+    stream = EmbeddedEngine(moe).stream()
+    short = dataclasses.replace(sampling, max_new_tokens=4)  # group 0 ends while the others are a third of the way
+    stream.submit([GroupRequest(key=i, prompt_ids=p, n=2, sampling=short if i == 0 else sampling)
+                   for i, p in enumerate(PROMPTS)])
+    assert stream.next().key == 0
+    report = stream.abort()
+    stream.close()
+    cut = [s for k in report.keys for s in report.partial[k] if 0 < s.response_len < 12]
+    assert cut, "no sample was cut mid-way"
+    assert _check(moe, cut, top_k=top_k) > 0  # an aborted sample's routes: every position it read
+
+    newer = copy.deepcopy(moe)
+    torch.manual_seed(1)
+    for layer in newer.model.layers:
+        layer.mlp.gate.weight.data = torch.randn_like(layer.mlp.gate.weight)
+    stream = EmbeddedEngine(newer).stream()
+    stream.submit([GroupRequest(key=k, prompt_ids=PROMPTS[k], n=2, sampling=sampling,
+                                resume=tuple(report.partial[k])) for k in report.keys])
+    resumed = {}
+    while stream.pending:
+        got = stream.next()
+        resumed[got.key] = got.samples
+    stream.close()
+    differs = 0
+    for k in report.keys:
+        for before, after in zip(report.partial[k], resumed[k]):
+            if not 0 < before.response_len < 12:
+                continue
+            kept = len(before.prompt_ids) + before.response_len - 1
+            assert after.response_ids[: before.response_len] == before.response_ids
+            assert torch.equal(after.routes[:kept], before.routes)
+            ids = after.prompt_ids + after.response_ids
+            ref, gap = _forward_routes(newer, ids)
+            clear = gap[kept: len(ids) - 1] > 1e-4
+            same = (after.routes[kept:].long().sort(-1).values == ref[kept: len(ids) - 1].sort(-1).values).all(-1)
+            assert bool(same[clear].all()) and int(clear.sum()) > 0
+            differs += int((ref[:kept].sort(-1).values != before.routes.long().sort(-1).values).any())
+    assert differs, "the new weights route the carried positions as the old did: the test cannot tell them apart"

@@ -267,12 +267,11 @@ def test_replay_is_exact_at_ep2_and_pp2(hf_dir, tmp_path, env, layout):
             assert m["moe/routing_agreement"] < 0.5
 
 
-@pytest.mark.parametrize("override, named", [("rollout.partial_rollout=true", "rollout.partial_rollout"),
-                                             ("rollout.async_steps=1", "rollout.async_steps=1"),
-                                             ("rollout.tools.name=python", "rollout.tools")])
-def test_r3_is_refused_where_a_sample_carries_tokens_the_rollout_did_not_route(override, named):
+def test_r3_is_refused_with_tools_and_taken_with_partial_rollout_and_the_pipelines():
     from megatron_dapo.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=f"actor.routing_replay=r3 does not work with {named}"):
-        load_config(None, ["actor.routing_replay=r3", override])
-    assert load_config(None, ["actor.routing_replay=r3"]).actor.routing_replay == "r3"  # validated alone
+    with pytest.raises(ConfigError, match="actor.routing_replay=r3 does not work with rollout.tools"):
+        load_config(None, ["actor.routing_replay=r3", "rollout.tools.name=python"])
+    for ok in (["rollout.streaming=true", "rollout.partial_rollout=true"], ["rollout.async_steps=2", "rollout.colocate=false"],
+               ["rollout.async_steps=1", "rollout.async_mode=stream", "rollout.streaming=true", "rollout.colocate=false"]):
+        assert load_config(None, ["actor.routing_replay=r3", *ok]).actor.routing_replay == "r3"

@@ -107,3 +107,58 @@ def test_sglang_takes_our_body_and_decodes_our_routes_as_we_do(sglang_python):
     assert got["return_routed_experts"] in (True, [True] * 4) and got["start"] in (0, [0] * 4) and got["batch"] == 4
     [s] = parse_generate_response([_item(3, [4, 5, 6, 7], routes)], [[1, 2, 3]], routes=SHAPE)
     assert s.routes.flatten().tolist() == got["flat"]
+
+
+class _Server:
+    """What SGLangStream uses of a server, answering /generate with `answer(body)`."""
+
+    url, vocab_size = "http://fake:1", 100
+
+    def __init__(self, answer) -> None:
+        self.answer, self.bodies = answer, []
+
+    def post(self, path, body):
+        self.bodies.append(body)
+        return self.answer(body)
+
+    def routes_of(self, sampling):
+        return SHAPE if sampling.return_routes else None
+
+    def dead_reason(self):
+        return None
+
+
+def test_a_continued_sample_keeps_its_carried_routes_and_takes_the_servers_for_the_rest():
+    """Partial rollout with r3 on SGLang: the continuation reads prompt + response so far and the server routes every
+    position from 0; the positions before the last carried token keep the routes that came with the carried sample,
+    the rest are the server's. An aborted request's routes come back with it (here: the second call, cut short)."""
+    from megatron_dapo.rollout.base import GroupRequest
+    from megatron_dapo.rollout.sglang.stream import SGLangStream
+    from megatron_dapo.types import Sample
+
+    rng = np.random.default_rng(2)
+    fresh = rng.integers(0, 8, size=(7, 3, 2))  # prompt 3 + carried 2 + new 3, less one
+
+    def answer(body):
+        [ids] = body["input_ids"]
+        assert ids == [1, 2, 3, 4, 5] and body["return_routed_experts"] and body["routed_experts_start_len"] == 0
+        return [_item(5, [6, 7, 8], fresh)]
+
+    before = Sample([1, 2, 3], [4, 5], [-0.1, -0.2], "abort", routes=torch.full((4, 3, 2), 7, dtype=torch.uint8))
+    done = Sample([1, 2, 3], [9, 9, 9, 9, 9], [-0.3] * 5, "length", routes=torch.zeros((7, 3, 2), dtype=torch.uint8))
+    sampling = SamplingParams(max_new_tokens=5, seed=3, return_routes=True)
+    stream = SGLangStream(_Server(answer), concurrency=1)
+    stream.submit([GroupRequest(key=0, prompt_ids=[1, 2, 3], n=2, sampling=sampling, resume=(before, done))])
+    got = stream.next().samples
+    stream.close()
+    assert got[0].response_ids == [4, 5, 6, 7, 8] and got[0].prompt_ids == [1, 2, 3]
+    assert got[0].routes.dtype == torch.uint8 and got[0].routes.shape == (7, 3, 2)
+    assert torch.equal(got[0].routes[:4], before.routes) and got[0].routes[4:].tolist() == fresh[4:].tolist()
+    assert torch.equal(got[1].routes, done.routes)
+
+    item = _item(3, [4, 5], fresh[:4])
+    item["meta_info"]["finish_reason"] = {"type": "abort"}
+    [cut] = parse_generate_response([item], [[1, 2, 3]], aborted_ok=True, routes=SHAPE)
+    assert cut.finish_reason == "abort" and cut.routes.tolist() == fresh[:4].tolist()
+    del item["meta_info"]["routed_experts"]  # where a server sends none for an aborted request, the continuation's
+    assert parse_generate_response([item], [[1, 2, 3]], aborted_ok=True, routes=SHAPE)[0].routes is None

@@ -15,6 +15,8 @@ WORKERS = Path(__file__).parent / "workers"
 SMALL = ["train.steps=2", "eval.every_steps=0", "train.prompt_batch_size=8", "train.mini_batch_size=4",
          "algo.group_size=4", "reward.name=length_reward:even_length", "checkpoint.save_every=0"]
 
+PARTIAL = ("rollout.streaming=true", "rollout.partial_rollout=true")
+
 pytestmark = pytest.mark.slow
 
 
@@ -37,16 +39,17 @@ def _scalars(logdir: Path) -> dict[str, list[float]]:
     return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-@pytest.mark.parametrize("ranks, replay", [(1, "r2"), (2, "r3")])
-def test_the_tiny_moe_config_trains_with_replay(moe_base, tmp_path, env, ranks, replay):
-    """r2 in one process; r3 (the rollout's routes, scattered with their rows) under EP2."""
+@pytest.mark.parametrize("ranks, replay, extra", [(1, "r2", ()), (2, "r3", ()), (1, "r3", PARTIAL)])
+def test_the_tiny_moe_config_trains_with_replay(moe_base, tmp_path, env, ranks, replay, extra):
+    """r2 in one process; r3 (the rollout's routes, scattered with their rows) under EP2; r3 with partial rollout
+    (a continued sample keeps its carried tokens' routes)."""
     launch = [sys.executable, "-m", "megatron_dapo.train"] if ranks == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "megatron_dapo.train"]
     args = ["--config", str(REPO / "examples/configs/tiny_moe_cpu.yaml"), f"model.hf_dir={moe_base}",
             f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path / 'runs'}", *SMALL]
     if ranks == 2:
         args.append("parallel.expert_parallel=2")
-    args.append(f"actor.routing_replay={replay}")
+    args += [f"actor.routing_replay={replay}", *extra]
     r = subprocess.run([*launch, *args], capture_output=True, text=True, timeout=900, cwd=tmp_path,
                        env={**env, "PYTHONPATH": f"{WORKERS}:{env['PYTHONPATH']}"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
@@ -61,12 +64,14 @@ def test_the_tiny_moe_config_trains_with_replay(moe_base, tmp_path, env, ranks, 
         rollout = scalars["moe/rollout_routing_agreement"]
         assert len(rollout) == 2 and all(0.9 < a <= 1.0 for a in rollout), rollout
         assert "routing replay r3 (pi_old and the updates take the rollout's experts" in r.stdout + r.stderr
+    if extra:
+        assert sum(scalars["rollout/resumed_groups"]) > 0, "no group was carried: partial rollout went unexercised"
 
 
 def test_a_killed_r3_run_resumes_exactly(moe_base, tmp_path, env):
-    """r3 SIGKILLed after its step-2 checkpoint, then resumed: steps 3 and 4 replay the uninterrupted run's
-    metrics, routing agreements included (the rollout's routes are regenerated with the batch, nothing of them is
-    saved)."""
+    """r3 with two batches in the pipeline (rollout.async_steps=2), SIGKILLed after its step-2 checkpoint, then
+    resumed: steps 3 to 5 replay the uninterrupted run's metrics, routing agreements included. Batches 3 and 4 come
+    from the checkpoint, their routes from its safetensors side file; batch 5 is generated again, routes and all."""
     from support import TAGS, kill_job_at
 
     from megatron_dapo.metrics import read_scalars
@@ -74,8 +79,9 @@ def test_a_killed_r3_run_resumes_exactly(moe_base, tmp_path, env):
     def cmd(run: str, *extra: str) -> list[str]:
         return [sys.executable, "-m", "megatron_dapo.train", "--config", str(REPO / "examples/configs/tiny_moe_cpu.yaml"),
                 f"model.hf_dir={moe_base}", f"checkpoint.dir={tmp_path / 'ckpt'}",
-                f"logging.tensorboard_dir={tmp_path / 'tb'}", f"logging.run_name={run}", *SMALL, "train.steps=4",
-                "checkpoint.save_every=1", "actor.routing_replay=r3", "algo.dynamic_sampling=false", *extra]
+                f"logging.tensorboard_dir={tmp_path / 'tb'}", f"logging.run_name={run}", *SMALL, "train.steps=5",
+                "checkpoint.save_every=1", "actor.routing_replay=r3", "algo.dynamic_sampling=false",
+                "rollout.async_steps=2", "rollout.colocate=false", *extra]
 
     env = {**env, "PYTHONPATH": f"{WORKERS}:{env['PYTHONPATH']}"}
     r = subprocess.run(cmd("straight"), capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
@@ -83,6 +89,7 @@ def test_a_killed_r3_run_resumes_exactly(moe_base, tmp_path, env):
     marker = tmp_path / "ckpt" / "killed" / "step_00000002" / "COMPLETE"
     kill_job_at(cmd("killed"), env, marker, timeout=900)
     assert marker.exists(), "the run never reached its step-2 checkpoint"
+    assert (marker.parent / "trainer_tensors.safetensors").is_file()  # the pending batches' routes
     r = subprocess.run(cmd("killed", "checkpoint.resume=auto"), capture_output=True, text=True, timeout=900,
                        cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -91,5 +98,5 @@ def test_a_killed_r3_run_resumes_exactly(moe_base, tmp_path, env):
             if not t.startswith(("timing/", "perf/", "val/", "memory/")) and t in a]
     assert "moe/rollout_routing_agreement" in tags and "actor/pg_loss" in tags
     for tag in tags:
-        for step in (3, 4):
+        for step in (3, 4, 5):
             assert a[tag][step] == b[tag][step], (tag, step, a[tag][step], b[tag][step])

@@ -199,7 +199,7 @@ def save_checkpoint(actor: Any, root: str | Path, step: int, trainer_state: dict
                     keep_last: int = 3, hf_dir: str | Path | None = None) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint path.
 
-    `trainer_state` must be JSON-serialisable. With `hf_dir`, its config.json and auxiliary files
+    `trainer_state` must be JSON-serialisable but for tensors (kept in a safetensors file beside it). With `hf_dir`, its config.json and auxiliary files
     (tokenizer, chat template, generation config) are copied into `<ckpt>/hf/`, so the checkpoint
     converts back to Hugging Face format without extra flags. Raises NonFiniteWeightsError (nothing
     written) if any rank's weights hold inf or NaN."""
@@ -222,7 +222,7 @@ def save_checkpoint(actor: Any, root: str | Path, step: int, trainer_state: dict
     if parallel.is_main():
         state = {"format": files.FORMAT, "step": step, "updates": actor.updates,
                  "scheduler": actor.scheduler.state_dict(), "trainer": trainer_state or {}}
-        files.write_json(tmp / files.STATE_FILE, state)
+        files.write_state(tmp, state)
         if hf_dir is not None:
             copy_aux_files(hf_dir, tmp / "hf", with_config=True)
     _barrier()
@@ -254,8 +254,7 @@ def load_checkpoint(actor: Any, path: str | Path, *, load_optimizer: bool = True
     problem = files.verify(path) if verify else None
     if problem is not None:
         raise CheckpointError(f"checkpoint {path}: {problem}")
-    state_file = path / files.STATE_FILE
-    extra = files.read_json(state_file) if state_file.is_file() else {}
+    extra = files.read_state(path)
     if load_optimizer and not extra:
         raise CheckpointError(f"checkpoint {path}: no {files.STATE_FILE} (a weights-only checkpoint?): load it "
                               "with load_optimizer=False")

@@ -2,6 +2,8 @@
 
     manifest.json              every other file: size and sha256 (written before COMPLETE)
     trainer_state.json         scheduler, update count, step and the trainer's state: plain JSON
+    trainer_tensors.safetensors  the tensors of the trainer's state (e.g. samples' routes), each named in the JSON
+                               by {"__tensor__": name}; absent when it holds none
     rng/rank_<r>.safetensors   each rank's RNG states: tensors, python/numpy states as JSON metadata
 
 Nothing here unpickles: a crafted file cannot run code through these readers. (torch's own
@@ -25,6 +27,8 @@ import torch.distributed as dist
 
 MANIFEST = "manifest.json"
 STATE_FILE = "trainer_state.json"
+TENSORS_FILE = "trainer_tensors.safetensors"
+_TENSOR = "__tensor__"
 COMPLETE = "COMPLETE"
 FORMAT = 2
 _CHUNK = 8 << 20
@@ -136,6 +140,55 @@ def read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable ({e})") from None
+
+
+def split_tensors(obj: Any, out: dict[str, torch.Tensor] | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """`obj` (dicts, lists, tuples, scalars and tensors) as plain JSON, each tensor replaced by {"__tensor__": name},
+    and the tensors by name (for TENSORS_FILE)."""
+    out = {} if out is None else out
+    if isinstance(obj, torch.Tensor):
+        name = f"t{len(out)}"
+        out[name] = obj.detach().to("cpu").contiguous()
+        return {_TENSOR: name}, out
+    if isinstance(obj, dict):
+        return {k: split_tensors(v, out)[0] for k, v in obj.items()}, out
+    if isinstance(obj, (list, tuple)):
+        return [split_tensors(v, out)[0] for v in obj], out
+    return obj, out
+
+
+def join_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """split_tensors' inverse (tuples come back as lists, as from JSON)."""
+    if isinstance(obj, dict):
+        if set(obj) == {_TENSOR}:
+            if obj[_TENSOR] not in tensors:
+                raise CheckpointError(f"{TENSORS_FILE} lacks the tensor {obj[_TENSOR]!r} the trainer state names")
+            return tensors[obj[_TENSOR]]
+        return {k: join_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [join_tensors(v, tensors) for v in obj]
+    return obj
+
+
+def write_state(folder: Path, state: dict) -> None:
+    """trainer_state.json, and TENSORS_FILE for the tensors it holds."""
+    from safetensors.torch import save_file
+
+    plain, tensors = split_tensors(state)
+    write_json(folder / STATE_FILE, plain)
+    if tensors:
+        save_file(tensors, str(folder / TENSORS_FILE))
+
+
+def read_state(folder: Path) -> dict:
+    """write_state's state ({} where the folder has no trainer_state.json)."""
+    from safetensors.torch import load_file
+
+    if not (folder / STATE_FILE).is_file():
+        return {}
+    state = read_json(folder / STATE_FILE)
+    tensors = folder / TENSORS_FILE
+    return join_tensors(state, load_file(str(tensors))) if tensors.is_file() else join_tensors(state, {})
 
 
 def rng_state() -> dict:

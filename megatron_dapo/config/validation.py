@@ -67,18 +67,12 @@ def _problems(cfg: Config) -> list[str]:
 
 
 def _r3_problems(cfg: Config) -> list[str]:
-    """actor.routing_replay=r3 trains on the routes each sample's rollout returned: the features whose samples
-    would carry routes of other weights or of tokens the engine did not route are refused by name."""
-    if cfg.actor.routing_replay != "r3":
+    """actor.routing_replay=r3 trains on the routes each sample's rollout returned: tools are refused (an
+    observation's tokens are not generated: the engine routes them only when the next turn reads them)."""
+    if cfg.actor.routing_replay != "r3" or cfg.rollout.tools.name == "none":
         return []
-    r, what = cfg.rollout, []
-    if r.partial_rollout:
-        what.append("rollout.partial_rollout (a continued sample's earlier routes came from older weights)")
-    if r.async_steps:
-        what.append(f"rollout.async_steps={r.async_steps} (the pipelines)")
-    if r.tools.name != "none":
-        what.append("rollout.tools (an observation's tokens are routed when the next turn reads them)")
-    return [f"actor.routing_replay=r3 does not work with {w} yet: use routing_replay=r2" for w in what]
+    return ["actor.routing_replay=r3 does not work with rollout.tools (an observation's tokens are routed when the "
+            "next turn reads them) yet: use routing_replay=r2"]
 
 
 def _tools_problems(cfg: Config) -> list[str]:

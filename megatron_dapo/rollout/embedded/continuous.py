@@ -161,8 +161,8 @@ class EmbeddedStream(RolloutStream):
     def _partial(self) -> dict[int, list[Sample]]:
         """Each pending group's samples so far: finished, running (cut short) or waiting (as submitted)."""
         out = {key: list(g.samples) for key, g in self._groups.items()}
-        for row in self._rows:
-            out[row.key][row.index] = self._sample(row, "abort")
+        for i, row in enumerate(self._rows):
+            out[row.key][row.index] = self._sample(row, "abort", self._routes(i, row))
         for key, samples in out.items():
             request = self._groups[key].request
             for k, s in enumerate(samples):
@@ -170,11 +170,21 @@ class EmbeddedStream(RolloutStream):
                     samples[k] = request.initial(k)
         return out
 
-    def _sample(self, row: _Row, reason: FinishReason, routes: Tensor | None = None) -> Sample:
-        prompt = self._groups[row.key].request.prompt_ids
+    def _sample(self, row: _Row, reason: FinishReason, routes: Tensor | None) -> Sample:
+        """Row's sample; its routes (`routes`: at every position it read) keep a resumed sample's carried ones up to
+        its last carried token: the weights that generated a token routed the positions before it."""
+        group = self._groups[row.key]
+        prompt, prior = group.request.prompt_ids, group.prior(row.index)
+        routes = read_routes(routes, len(prompt) + len(row.tokens))
+        if routes is not None and row.start and prior is not None and prior.routes is not None:
+            kept = len(prompt) + row.start - 1
+            routes[:kept] = prior.routes[:kept]
         return Sample(prompt_ids=list(prompt), response_ids=list(row.tokens),
-                      rollout_logprobs=list(row.logprobs), finish_reason=reason,
-                      routes=read_routes(routes, len(prompt) + len(row.tokens)))
+                      rollout_logprobs=list(row.logprobs), finish_reason=reason, routes=routes)
+
+    def _routes(self, i: int, row: _Row) -> Tensor | None:
+        """Decoder row i's routes, if its request asked for them."""
+        return self._decoder.routes(i) if self._groups[row.key].request.sampling.return_routes else None
 
     def close(self) -> None:
         """Abort what is pending and hand the (empty) decoder back to the engine for its next stream."""
@@ -210,9 +220,7 @@ class EmbeddedStream(RolloutStream):
         done = hit | (self._count >= self._max_new)
         if bool(done.any()):
             for i in done.nonzero().squeeze(1).tolist():
-                row = self._rows[i]
-                wants = self._groups[row.key].request.sampling.return_routes
-                self._finish(row, stopped=bool(hit[i]), routes=self._decoder.routes(i) if wants else None)
+                self._finish(self._rows[i], stopped=bool(hit[i]), routes=self._routes(i, self._rows[i]))
             order = self._decoder.release(done)
             self._rows = [self._rows[i] for i in order.tolist()]
             self._seed, self._count = self._seed[order], self._count[order]

@@ -30,6 +30,8 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from megatron_dapo.rollout.base import (
     AbortReport,
     EngineStateError,
@@ -187,11 +189,13 @@ class SGLangStream(RolloutStream):
         else:
             body, _, cut_at = generate_body([r.prompt_ids], r.n, r.sampling, rids)
         payload = self._server.post("/generate", body)
-        new = parse_generate_response(payload, [r.prompt_ids] * len(todo), aborted_ok=True,
-                                      vocab_size=self._server.vocab_size,
-                                      routes=None if r.resume else self._server.routes_of(r.sampling))
+        read = body["input_ids"]  # a continued sample's input: prompt + response so far
+        new = parse_generate_response(payload, read, aborted_ok=True, vocab_size=self._server.vocab_size,
+                                      routes=self._server.routes_of(r.sampling))
         if cut_at:  # a carried-in response holds no stop token: only the new tokens are cut
             new = [cut_at_stop(s, cut_at) for s in new]
+        for s in new:
+            s.prompt_ids = list(r.prompt_ids)
         samples = list(r.resume) or [None] * r.n
         for k, s in zip(todo, new):
             samples[k] = _settled(_joined(r.resume[k], s) if r.resume else s, r.sampling)
@@ -212,9 +216,15 @@ def _settled(sample: Sample, sampling: SamplingParams) -> Sample:
 
 
 def _joined(before: Sample, after: Sample) -> Sample:
+    """A continued sample: `after` read prompt + `before`'s response. Its routes keep `before`'s up to its last
+    token (the weights that generated a token routed the positions before it), where the server sent them."""
+    routes = after.routes
+    if routes is not None and before.routes is not None:
+        kept = len(before.prompt_ids) + before.response_len - 1
+        routes = torch.cat([before.routes[:kept], routes[kept:]])
     return Sample(prompt_ids=list(before.prompt_ids), response_ids=before.response_ids + after.response_ids,
                   rollout_logprobs=before.rollout_logprobs + after.rollout_logprobs,
-                  finish_reason=after.finish_reason)
+                  finish_reason=after.finish_reason, routes=routes)
 
 
 def _new_tokens(r: GroupRequest, item: Any) -> int:

@@ -186,7 +186,8 @@ def parse_generate_response(payload: Any, prompts: Sequence[Sequence[int]], abor
     Sample with finish_reason "abort" and the tokens it has logprobs for), ValueError on a malformed
     payload (the message names the request index), NonFiniteLogitsError when a logprob is NaN/inf (SGLang's
     JSON writes them as null) or a token id lies outside [0, `vocab_size`): what a server samples from NaN
-    logits. `routes`: the requests asked for their routed experts (Sample.routes; parse_routes).
+    logits. `routes`: the requests asked for their routed experts (Sample.routes; parse_routes; an aborted request
+    has them where the server sent them).
     """
     items = payload if isinstance(payload, list) else [payload]
     if len(items) != len(prompts):
@@ -217,7 +218,8 @@ def parse_generate_response(payload: Any, prompts: Sequence[Sequence[int]], abor
                 response_ids=out_ids,
                 rollout_logprobs=[float(lp) for lp, *_ in lps],
                 finish_reason=finish,
-                routes=None if routes is None or reason == "abort" else parse_routes(meta, i, read, routes),
+                routes=None if routes is None or (reason == "abort" and "routed_experts" not in meta)
+                else parse_routes(meta, i, read, routes),
             )
         )
     return samples
