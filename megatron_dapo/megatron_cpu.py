@@ -31,6 +31,7 @@ def _to_cpu_device(device: Any) -> Any:
 
 
 _IDENTITY = {torch.Tensor.cuda, torch.Tensor.pin_memory}
+_BACKWARD = {torch.autograd.backward, torch.Tensor.backward}
 
 
 class CudaToCpuMode(TorchFunctionMode):
@@ -46,6 +47,9 @@ class CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func in _IDENTITY:
             return args[0]
+        if func in _BACKWARD:  # torch 2.13's backward() dispatches here, and a mode is off while its handler runs:
+            with self:  # the backward pass's CUDA allocations (sequence parallelism's reduce-scatter, the MoE
+                return _backward(func, *args, **kwargs)  # all-to-all's) would miss it
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             # Optimizers and grad clipping assert `param.type() == 'torch.cuda.FloatTensor'`.
             return func(*args).replace("torch.", "torch.cuda.", 1)
@@ -56,6 +60,20 @@ class CudaToCpuMode(TorchFunctionMode):
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
         return func(*args, **kwargs)
+
+
+def _backward(func, tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None, gradient=None):
+    """torch.autograd.backward (or Tensor.backward, whose `gradient` is `grad_tensors`) past its __torch_function__
+    check, which would dispatch to the mode again."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    grad_tensors = gradient if gradient is not None else grad_tensors
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grad_tensors, len(tensors)), is_grads_batched=False)
+    _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph, inputs,
+                         allow_unreachable=True, accumulate_grad=True)
 
 
 _MODE: CudaToCpuMode | None = None
@@ -168,19 +186,3 @@ def _patch_moe_split_sizes() -> None:
         return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     token_dispatcher.maybe_move_tensor_to_cpu = to_host_numpy
-    _patch_all_to_all()
-
-
-def _patch_all_to_all() -> None:
-    """The all-to-all's output is allocated on `torch.cuda.current_device()`. A mode is switched off while
-    its handler runs, and the backward pass runs inside the handler of `backward`: the backward of the
-    MoE all-to-all (another all-to-all) would allocate on CUDA. Run its forward inside the mode always."""
-    from megatron.core.tensor_parallel import mappings
-
-    forward = mappings._AllToAll.forward
-
-    def forward_on_host(ctx, *args):
-        with _MODE:
-            return forward(ctx, *args)
-
-    mappings._AllToAll.forward = staticmethod(forward_on_host)

@@ -22,6 +22,7 @@ MODELS: dict[str, dict[str, Any]] = {"untied": {**GQA, "tied": False}, "tied": {
 LAYOUTS = {  # name: (tp, pp, nproc, models, extra env)
     "tp1": (1, 1, 1, list(MODELS), {}),
     "tp2": (2, 1, 2, ["untied", "tied"], {}),
+    "tp2_sp": (2, 1, 2, ["untied", "tied"], {"DAPO_TEST_SP": "1"}),
     "tp3": (3, 1, 3, ["h6", "h6_tied"], {}),
     "pp2": (1, 2, 2, ["untied", "tied"], {}),
     "dp2": (1, 1, 2, ["untied", "tied"], {}),
@@ -112,7 +113,7 @@ def _cases(names):
     return [(layout, model) for layout in names for model in LAYOUTS[layout][3]]
 
 
-@pytest.mark.parametrize(("layout", "model"), _cases(["tp1", "tp2", "tp3", "pp2", "dp2"]))
+@pytest.mark.parametrize(("layout", "model"), _cases(["tp1", "tp2", "tp2_sp", "tp3", "pp2", "dp2"]))
 def test_logprobs_and_entropy_match_transformers(layouts, reference, layout, model):
     ref = reference[model]
     valid = ref["valid"]
@@ -132,7 +133,7 @@ def test_clipping_acts_in_the_reference_run(layouts):
         assert all(GRAD_CLIP / (n + 1e-6) < 0.9 for n in norms), (model, norms)
 
 
-@pytest.mark.parametrize(("layout", "model"), _cases(["tp2", "tp3", "pp2", "dp2", "dp2_distopt"]))
+@pytest.mark.parametrize(("layout", "model"), _cases(["tp2", "tp2_sp", "tp3", "pp2", "dp2", "dp2_distopt"]))
 def test_update_is_layout_invariant(layouts, layout, model):
     """Same loss, grad norm, (clipped) gradient and parameters after every update as TP1/PP1/DP1.
 

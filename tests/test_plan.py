@@ -311,4 +311,8 @@ def test_r3_counts_the_rollouts_routes_by_hand():
     from megatron_dapo.plan.report import format_plan
 
     assert "r3: the rollout's routes of the trained tokens" in format_plan(p)
+    assert tok.route_bytes_held_max == tok.route_bytes_per_step_max  # synchronous: this step's batch alone
+    piped = plan_for(1, overrides=[*over, "actor.routing_replay=r3", "rollout.async_steps=2", "rollout.colocate=false"],
+                     mem=141.0).tokens
+    assert piped.route_bytes_held_max == 3 * piped.route_bytes_per_step_max > 0
     assert plan_for(1, overrides=over, mem=141.0).tokens.route_bytes_per_step_max == 0

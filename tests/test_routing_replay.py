@@ -230,14 +230,13 @@ def test_r2_is_refused_on_a_dense_model(tmp_path):
         Actor(spec, cfg.model, cfg.parallel, cfg.actor)
 
 
-LAYOUTS = {"ep2": (1, 1, 2), "pp2": (1, 2, 1)}
-"""(tp, pp, ep). Not TP2: Megatron refuses to train a MoE model with TP > 1 without sequence parallelism, and the
-local spec's torch norms refuse sequence parallelism (Transformer Engine's take it: the sequence-parallel slice
-and gather of the routes, RouteKeeper, meet their first test on a GPU)."""
+LAYOUTS = {"ep2": (1, 1, 2), "pp2": (1, 2, 1), "tp2": (2, 1, 1)}
+"""(tp, pp, ep); "tp2" is (2, 1, 1) with sequence parallelism, which Megatron needs for a MoE model at TP > 1: each TP
+rank routes its slice of the sequence (RouteKeeper slices the routes and gathers what it records)."""
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_replay_is_exact_at_ep2_and_pp2(hf_dir, tmp_path, env, layout):
+def test_replay_is_exact_at_ep2_pp2_and_tp2(hf_dir, tmp_path, env, layout):
     """Each layout's update replays the forced routes (its TP slice of the tokens, its DP rows, its stage's layers):
     ratio 1 against transformers' forced policy on every rank, the loss the advantages alone give. r2 (this stage's
     layers of the routes) and r3 (every layer's, as a rollout returns them: the pi_old pass replays them too and
@@ -253,7 +252,8 @@ def test_replay_is_exact_at_ep2_and_pp2(hf_dir, tmp_path, env, layout):
     torch.save(batch, tmp_path / "batch.pt")
     tp, pp, ep = LAYOUTS[layout]
     worker = Path(__file__).parent / "workers" / "moe_worker.py"
-    entry = {"case": "replay", "hf_dirs": [str(hf_dir)], "out": tmp_path / "out", "tp": tp, "pp": pp, "ep": ep}
+    entry = {"case": "replay", "hf_dirs": [str(hf_dir)], "out": tmp_path / "out", "tp": tp, "pp": pp, "ep": ep,
+             "env": {"DAPO_TEST_SP": "1"} if tp > 1 else {}}
     ranks = launch_plan(worker, 2, [entry], {**env, "REPLAY_BATCH": str(tmp_path / "batch.pt")}, timeout=300)[0]
     loss = -(batch.advantages[:, None] * batch.loss_mask).sum().item() / batch.loss_mask.sum().item()
     valid = torch.arange(batch.input_ids.shape[1])[None, 1:] < batch.lengths[:, None]

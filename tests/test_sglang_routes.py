@@ -115,7 +115,8 @@ class _Server:
     url, vocab_size = "http://fake:1", 100
 
     def __init__(self, answer) -> None:
-        self.answer, self.bodies = answer, []
+        self.answer = answer
+        self.bodies: list[dict] = []
 
     def post(self, path, body):
         self.bodies.append(body)
@@ -147,7 +148,7 @@ def test_a_continued_sample_keeps_its_carried_routes_and_takes_the_servers_for_t
     before = Sample([1, 2, 3], [4, 5], [-0.1, -0.2], "abort", routes=torch.full((4, 3, 2), 7, dtype=torch.uint8))
     done = Sample([1, 2, 3], [9, 9, 9, 9, 9], [-0.3] * 5, "length", routes=torch.zeros((7, 3, 2), dtype=torch.uint8))
     sampling = SamplingParams(max_new_tokens=5, seed=3, return_routes=True)
-    stream = SGLangStream(_Server(answer), concurrency=1)
+    stream = SGLangStream(_Server(answer), concurrency=1)  # type: ignore[arg-type]
     stream.submit([GroupRequest(key=0, prompt_ids=[1, 2, 3], n=2, sampling=sampling, resume=(before, done))])
     got = stream.next().samples
     stream.close()

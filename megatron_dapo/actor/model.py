@@ -183,6 +183,10 @@ def layer_spec(model_cfg: ModelConfig, spec: ModelSpec) -> Any:
     if use_transformer_engine(model_cfg):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kw)
     layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **kw)
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
+    attention = layer.submodules.self_attention.submodules
+    if spec.qk_norm:
+        attention.q_layernorm = attention.k_layernorm = RMSNorm
     if model_cfg.local_attention == "sdpa":
         from megatron_dapo.actor.attention import SDPAttention
 
@@ -191,6 +195,26 @@ def layer_spec(model_cfg: ModelConfig, spec: ModelSpec) -> Any:
         keys = layer.submodules.sharded_state_dict_keys_map
         layer.submodules.sharded_state_dict_keys_map = {k: v for k, v in keys.items() if k != "pre_mlp_layernorm."}
     return layer
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """The local spec's norm: torch's RMSNorm (megatron-core's wrapper of it refuses sequence parallelism). With
+    sequence parallelism each TP rank normalises its slice of the sequence, so the weight is marked, as Transformer
+    Engine's norms mark theirs, for Megatron to sum its gradient over the TP ranks (finalize_model_grads)."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+
+
+def block_spec(model_cfg: ModelConfig, spec: ModelSpec, config: Any) -> Any:
+    """This pipeline stage's layers and, with the local spec, its final norm (RMSNorm; TE's block picks TE's)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer = layer_spec(model_cfg, spec)
+    if use_transformer_engine(model_cfg):
+        return layer
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
 
 
 def _define_missing_te_gemm() -> None:
@@ -211,9 +235,9 @@ def build_model(spec: ModelSpec, model_cfg: ModelConfig, par: ParallelConfig, *,
     validate_layout(spec, par.tensor_parallel, par.pipeline_parallel, par.expert_parallel)
     if spec.moe is not None:
         _define_missing_te_gemm()
+    config = transformer_config(spec, model_cfg, par, init_weights=init_weights)
     model = GPTModel(
-        config=transformer_config(spec, model_cfg, par, init_weights=init_weights),
-        transformer_layer_spec=layer_spec(model_cfg, spec),
+        config=config, transformer_layer_spec=block_spec(model_cfg, spec, config),
         vocab_size=spec.padded_vocab_size(par.tensor_parallel),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel.is_first_stage(), post_process=parallel.is_last_stage(),

@@ -33,7 +33,7 @@ class ParallelConfig:
     """The ranks waiting for the driver stop, naming its last phase, when its heartbeat (a thread) is silent this
     long: stopped or frozen, not slow; 30 min outlasts a healthy driver's pauses, far below a Slurm limit."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (needs TP > 1 and the Transformer Engine spec)."""
+    """Megatron sequence parallelism (needs TP > 1; a MoE model at TP > 1 needs it)."""
 
 
 @dataclass(kw_only=True)

@@ -294,6 +294,7 @@ def _tokens(cfg: Config, spec: ModelSpec, dp: int, micro_batch_tokens: int) -> T
     return TokenBudget(
         route_bytes_per_step_max=trained_seqs * seq * per_token,
         route_bytes_per_dp_rank_max=trained_seqs * seq // max(dp, 1) * per_token,
+        route_bytes_held_max=(1 + cfg.rollout.async_steps) * trained_seqs * seq * per_token,
         sequence_tokens_max=seq,
         trained_sequences_per_step=trained_seqs,
         trained_tokens_per_step_max=trained_seqs * seq,

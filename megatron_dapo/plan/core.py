@@ -235,6 +235,9 @@ class TokenBudget:
     """actor.routing_replay=r3: the rollout's routes of the trained tokens (every layer's top-k, uint8 up to 256
     experts), scattered with their rows and held beside them on each DP rank (0 otherwise)."""
     route_bytes_per_dp_rank_max: int = 0
+    route_bytes_held_max: int = 0
+    """r3: what the driver's host holds at once (the step it trains and rollout.async_steps batches in the pipeline),
+    and a checkpoint writes (trainer_tensors.safetensors), partial rollout's carried groups aside."""
 
 
 @dataclass(frozen=True, kw_only=True)

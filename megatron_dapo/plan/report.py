@@ -185,5 +185,7 @@ def _token_lines(plan: Plan) -> list[str]:
         f"({tok.sequences_per_update} sequences each, "
         f"<= {tok.micro_batches_per_update_per_dp_rank_max} micro-batches per DP rank)",
     ] + ([f"  routes      r3: the rollout's routes of the trained tokens, {_g(tok.route_bytes_per_step_max)} GiB "
-          f"per step ({_g(tok.route_bytes_per_dp_rank_max)} GiB per DP rank, scattered and held with its rows)"]
+          f"per step ({_g(tok.route_bytes_per_dp_rank_max)} GiB per DP rank, scattered and held with its rows); "
+          f"the driver holds {_g(tok.route_bytes_held_max)} GiB (this step's and the pipeline's batches: a checkpoint "
+          "writes them)"]
          if tok.route_bytes_per_step_max else [])

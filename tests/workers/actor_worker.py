@@ -62,6 +62,7 @@ def make_cfg(tp: int, pp: int) -> Config:
     cfg.actor.micro_batch_tokens = 48  # several micro-batches per mini-batch
     cfg.actor.logprob_micro_batch_tokens = 40
     cfg.actor.optimizer.distributed_optimizer = os.environ.get("DAPO_TEST_DISTOPT") == "1"
+    cfg.parallel.sequence_parallel = os.environ.get("DAPO_TEST_SP") == "1"
     return cfg
 
 
@@ -118,7 +119,7 @@ def run(case: str, hf_dirs: list[str], out: str, tp: int, pp: int, ckpt: str | N
     torch.save(result, f"{out}/rank_{parallel.global_rank()}.pt")
 
 
-TEST_ENV = ("DAPO_TEST_DTYPE", "DAPO_TEST_DISTOPT")
+TEST_ENV = ("DAPO_TEST_DTYPE", "DAPO_TEST_DISTOPT", "DAPO_TEST_SP")
 
 
 def run_plan(path: str, run_one) -> None:
