@@ -14,13 +14,13 @@ divides by global counts, so every variant sums exactly over micro-batches and d
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from megatron_dapo.config.fields import import_named
 from megatron_dapo.config.schema import POLICY_LOSSES, REWARD_FUNCTION
 
 LOG_RATIO_LIMIT = 20.0
@@ -125,12 +125,7 @@ def policy_loss_spec(kind: str) -> PolicyLossSpec:
         raise PolicyLossLoadError(f"unknown policy loss {kind!r}; valid: {', '.join(REGISTRY)} "
                                   "or module.path:function")
     module_name, fn_name = kind.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # an import runs user code: report whatever it raised, in one line
-        raise PolicyLossLoadError(f"algo.policy_loss={kind!r}: cannot import {module_name!r} "
-                                  f"({type(e).__name__}: {e})") from e
-    spec = getattr(getattr(module, fn_name, None), "policy_loss_spec", None)
+    spec = getattr(import_named(kind, "algo.policy_loss", PolicyLossLoadError), "policy_loss_spec", None)
     if not isinstance(spec, PolicyLossSpec):
         raise PolicyLossLoadError(f"algo.policy_loss={kind!r}: {module_name}.{fn_name} is not a function "
                                   "decorated with @megatron_dapo.algo.policy_losses.register_policy_loss")

@@ -20,6 +20,19 @@ PROMPT_TEMPLATES = ("auto", "dapo_math", "dapo_math_tool", "gsm8k", "raw")
 """data.prompt_template's built-in names (data/templates.py holds the templates)."""
 
 
+def import_named(name: str, field_name: str, error: type[Exception]) -> Any:
+    """The object `module.path:attr` names (None where the module has no `attr`). Importing runs user code: whatever
+    it raises becomes `error`, on one line naming `field_name` and the module."""
+    import importlib
+
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise error(f"{field_name}={name!r}: cannot import {module_name!r} ({type(e).__name__}: {e})") from e
+    return getattr(module, attr, None)
+
+
 def knob(default: Any, interval: str | None = None, why: str = "", *, on_resume: bool = False) -> Any:
     """A field's default with what else the config knows of it: the valid interval of a number (interval
     notation, checked by validate(); `why` is shown when a value falls outside) and whether a resumed run

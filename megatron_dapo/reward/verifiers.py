@@ -10,13 +10,13 @@ past the timeout or returns anything else is a failure: `Verifier` scores it lik
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import signal
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from megatron_dapo.config.fields import import_named
 from megatron_dapo.config.schema import REWARD_FUNCTION
 from megatron_dapo.reward.math_dapo import AnswerFallback, RewardResult, compute_score
 from megatron_dapo.reward.math_verify_reward import load_math_verify, math_verify_score
@@ -53,12 +53,7 @@ def load_reward_fn(name: str, *, answer_fallback: AnswerFallback = "none") -> Re
         raise RewardLoadError(f"reward.name={name!r}: expected {BUILTIN!r}, {MATH_VERIFY!r} or "
                               "'module.path:function'")
     module_name, fn_name = name.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # an import runs user code: report whatever it raised, in one line
-        raise RewardLoadError(f"reward.name={name!r}: cannot import {module_name!r} "
-                              f"({type(e).__name__}: {e})") from e
-    fn = getattr(module, fn_name, None)
+    fn = import_named(name, "reward.name", RewardLoadError)
     if not callable(fn):
         raise RewardLoadError(f"reward.name={name!r}: {module_name} has no callable {fn_name!r}")
     return fn

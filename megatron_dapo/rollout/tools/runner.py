@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from megatron_dapo.config.fields import import_named
 from megatron_dapo.config.tools import ToolsConfig
 from megatron_dapo.sandbox.pool import SandboxPool
 from megatron_dapo.sandbox.types import ToolResult
@@ -36,11 +36,7 @@ def make_tool(cfg: ToolsConfig) -> Tool:
 
 def load_tool_fn(name: str) -> Callable[[str], ToolResult]:
     module_name, _, fn_name = name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), fn_name, None)
-    except Exception as e:  # an import runs user code: report whatever it raised, in one line
-        raise ToolLoadError(f"rollout.tools.name={name!r}: cannot import {module_name!r} "
-                            f"({type(e).__name__}: {e})") from e
+    fn = import_named(name, "rollout.tools.name", ToolLoadError)
     if not callable(fn):
         raise ToolLoadError(f"rollout.tools.name={name!r}: {module_name} has no callable {fn_name!r}")
     return fn
