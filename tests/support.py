@@ -290,3 +290,22 @@ def stand_in_32b(root: Path) -> Path:
                  "reward_model": {"ground_truth": str(i + 7)}} for i in range(n)]
         pq.write_table(pa.Table.from_pylist(rows), root / "data" / f"{name}.parquet")
     return root
+
+
+def forward_routes(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transformers MoE model's routing of `ids` in one forward (no cache, no padding, no batch): ([tokens, layers, k]
+    the routers' picks, [tokens, layers] the gap between the k-th and k+1-th probability)."""
+    picks, gaps, hooks = [], [], []
+
+    def hook(_m, _i, out):
+        probs = out[0].float().softmax(-1).sort(-1, descending=True).values
+        picks.append(out[2])
+        gaps.append(probs[:, _m.top_k - 1] - probs[:, _m.top_k])
+
+    for layer in model.model.layers:
+        hooks.append(layer.mlp.gate.register_forward_hook(hook))
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return torch.stack(picks, 1), torch.stack(gaps, 1)

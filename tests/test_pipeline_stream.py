@@ -160,6 +160,58 @@ def test_published_weights_stop_the_engine_at_its_next_decode_step(slower, kind,
     assert check_versions([s for g in out.generated for s in g.samples], slower) == 12
 
 
+def test_an_interrupted_groups_routes_are_each_versions(tmp_path):
+    """r3 in stream mode: a MoE policy's groups are interrupted by newer weights and continue on them. Each sample's
+    routes are those of the policy that read each position: the old one up to the position before its first token
+    of the new version, the new one from there (every clear choice, against each model's own routing)."""
+    from support import forward_routes
+
+    size: dict[str, Any] = {**SMALL, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2}
+    old, new = tiny_model("qwen3_moe", seed=0, **size), tiny_model("qwen3_moe", seed=1, **size)
+    old.save_pretrained(tmp_path)
+    new.save_pretrained(tmp_path / "new")  # the checkpoint's names, as the actor exports them
+    from safetensors.torch import load_file
+
+    newer = list(load_file(str(tmp_path / "new" / "model.safetensors")).items())
+    engine = EmbeddedEngine(tmp_path)
+    pipe = RolloutPipeline(threads=1, depth=1, stream=True)
+    pipe.apply_weights = lambda snap: engine.update_weights(snap.tensors)
+    box: dict[str, Any] = {}
+
+    def request(g: int):
+        return Prompt(str(g), (), "1"), GroupRequest(key=g, prompt_ids=PROMPTS[g], n=2, sampling=SamplingParams(
+            max_new_tokens=400, ignore_eos=True, seed=100 + 1000 * g, return_routes=True))
+
+    plan = StreamPlan(target_groups=6, first=6, max_inflight=6, max_groups=6, dynamic_sampling=False)
+    producer = threading.Thread(target=lambda: box.update(out=stream_groups(engine, request, lambda g: None, plan,
+                                                                            weights=pipe)))
+    try:
+        producer.start()
+        deadline = time.monotonic() + 60
+        while pipe._live is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.15)  # some decode steps, not all
+        pipe.publish(1, WeightSnapshot(1, newer))
+        producer.join(120)
+    finally:
+        engine.shutdown()
+        pipe.close()
+    samples = [s for g in box["out"].generated for s in g.samples]
+    assert box["out"].stream.interrupted_groups > 0
+    spanning = 0
+    for s in samples:
+        ids = s.prompt_ids + s.response_ids
+        assert s.routes is not None and s.routes.shape[0] == len(ids) - 1
+        switch = len(s.prompt_ids) + (s.versions[1][0] if len(s.versions) == 2 else s.response_len) - 1
+        spanning += len(s.versions) == 2
+        for model, rows in ((old, slice(0, switch)), (new, slice(switch, len(ids) - 1))):
+            ref, gap = forward_routes(model, ids)
+            clear = gap[rows] > 1e-4
+            same = (s.routes[rows].long().sort(-1).values == ref[rows].sort(-1).values).all(-1)
+            assert bool(same[clear].all()), (s.versions, rows)
+    assert spanning > 0
+
+
 def test_the_same_weights_mid_batch_change_nothing(models, tmp_path):
     """Interrupting and resuming on unchanged weights gives the uninterrupted stream's samples exactly."""
     old, _ = models

@@ -6,31 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import forward_routes
 
 from megatron_dapo.rollout.base import GroupRequest, SamplingParams
 from megatron_dapo.rollout.embedded.engine import EmbeddedEngine
 from megatron_dapo.tiny import tiny_model
 
 PROMPTS = [[5, 9, 3, 7, 11, 2, 8], [4, 6], [10, 12, 14, 3, 1]]
-
-
-def _forward_routes(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """([tokens, layers, k] the routers' picks, [tokens, layers] the gap between the k-th and k+1-th
-    probability) over `ids` in one forward."""
-    picks, gaps, hooks = [], [], []
-
-    def hook(_m, _i, out):
-        probs = out[0].float().softmax(-1).sort(-1, descending=True).values
-        picks.append(out[2])
-        gaps.append(probs[:, _m.top_k - 1] - probs[:, _m.top_k])
-
-    for layer in model.model.layers:
-        hooks.append(layer.mlp.gate.register_forward_hook(hook))
-    with torch.no_grad():
-        model(torch.tensor([ids]))
-    for h in hooks:
-        h.remove()
-    return torch.stack(picks, 1), torch.stack(gaps, 1)
 
 
 def _check(model, samples, *, top_k: int) -> int:
@@ -40,7 +22,7 @@ def _check(model, samples, *, top_k: int) -> int:
         ids = s.prompt_ids + s.response_ids
         assert s.routes is not None and s.routes.dtype == torch.uint8
         assert tuple(s.routes.shape) == (len(ids) - 1, len(model.model.layers), top_k)
-        ref, gap = _forward_routes(model, ids)
+        ref, gap = forward_routes(model, ids)
         clear = gap[: len(ids) - 1] > 1e-4
         same = (s.routes.long().sort(-1).values == ref[: len(ids) - 1].sort(-1).values).all(-1)
         assert bool(same[clear].all()), (s.routes, ref)
@@ -135,7 +117,7 @@ def test_a_resumed_sample_keeps_its_carried_routes_and_routes_the_rest_anew(moe)
             assert after.response_ids[: before.response_len] == before.response_ids
             assert torch.equal(after.routes[:kept], before.routes)
             ids = after.prompt_ids + after.response_ids
-            ref, gap = _forward_routes(newer, ids)
+            ref, gap = forward_routes(newer, ids)
             clear = gap[kept: len(ids) - 1] > 1e-4
             same = (after.routes[kept:].long().sort(-1).values == ref[kept: len(ids) - 1].sort(-1).values).all(-1)
             assert bool(same[clear].all()) and int(clear.sum()) > 0
