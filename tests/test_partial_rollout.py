@@ -357,3 +357,17 @@ def test_sglang_resumes_only_the_unfinished_samples():
         result = stream.next()
     assert server.bodies[0]["input_ids"] == [[5, 7]] and len(server.bodies) == 1
     assert result.samples[0] == done and result.samples[1].response_ids == [7, 102, 103, 104]
+
+
+def test_no_request_id_of_a_stream_starts_another():
+    """SGLang's /abort_request aborts every request whose id starts with the one named: aborting sample 1 of a
+    group must not reach its samples 10 to 15, nor group 1 reach group 10's."""
+    from megatron_dapo.rollout.sglang.stream import SGLangStream
+
+    server = ScriptedServer(cut=None)
+    with SGLangStream(server) as stream:  # type: ignore[arg-type]  # a scripted stand-in
+        stream.submit([GroupRequest(key=g, prompt_ids=[5], n=16, sampling=SamplingParams(max_new_tokens=1, seed=g))
+                       for g in (1, 10)])
+        stream.next(), stream.next()
+    rids = [rid for body in server.bodies for rid in body["rid"]]
+    assert len(rids) == 32 and not [(a, b) for a in rids for b in rids if a != b and b.startswith(a)]

@@ -1,8 +1,9 @@
 """The SGLang engine's streaming rollout: one /generate call per group, at most `concurrency` at once.
 
 Each group is one POST of its n requests (prompt repeated, request k with sampling_seed seed + k and
-request id `<stream>:<key>:<k>`), made from a worker thread through the server's bounded HTTP layer;
-the server batches all of them continuously, and a group comes back as soon as its n samples are done.
+request id `<stream>:<key>:<k>:`, none the prefix of another: SGLang aborts by prefix), made from a worker
+thread through the server's bounded HTTP layer; the server batches all of them continuously, and a group
+comes back as soon as its n samples are done.
 `abort()` cancels the groups not yet sent and sends /abort_request for every request id of the
 running ones (again each second until their calls return, for an abort that reached the server
 before its request): SGLang then answers those calls at once with finish_reason "abort" and the
@@ -163,7 +164,7 @@ class SGLangStream(RolloutStream):
 
     def _run(self, r: GroupRequest, epoch: int) -> None:
         todo = [k for k in range(r.n) if not r.resume or r.resume[k].finish_reason == "abort"]
-        rids = [f"{self._id}:{r.key}:{k}" for k in todo]
+        rids = [f"{self._id}:{r.key}:{k}:" for k in todo]  # SGLang aborts every rid that starts with the one named
         with self._cond:
             if epoch != self._epoch:
                 return
