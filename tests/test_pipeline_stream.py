@@ -124,22 +124,16 @@ def slower():
     return tiny_model("qwen2", seed=0, **size), tiny_model("qwen2", seed=1, **size)
 
 
-@pytest.mark.parametrize("kind", ["in_process", "process"])
-def test_published_weights_stop_the_engine_at_its_next_decode_step(slower, kind, tmp_path):
-    """The producer waits in `next()` for six groups of 400 tokens each (all decoded in lockstep, so none
-    arrives before the others); the actor publishes step 1's weights: the pipeline aborts the stream there
-    and then, the engine takes the weights, every group resumes on them, and every sample spans both
-    versions, each token's logprob its recorded version's policy's."""
-    old, new = slower
-    old.save_pretrained(tmp_path)
-    engine = EmbeddedEngine(tmp_path) if kind == "in_process" else ProcessEngine(tmp_path, threads=1)
+def interrupted_mid_batch(engine, newer: list, return_routes: bool = False) -> tuple[StreamRollout, int]:
+    """Six groups of 400 tokens each streamed on `engine` (shut down after) while the actor publishes step 1's
+    weights `newer` a few decode steps in: the rollout and the pipeline's version after it."""
     pipe = RolloutPipeline(threads=1, depth=1, stream=True)
     pipe.apply_weights = lambda snap: engine.update_weights(snap.tensors)
     box: dict[str, Any] = {}
 
     def request(g: int):
         return Prompt(str(g), (), "1"), GroupRequest(key=g, prompt_ids=PROMPTS[g], n=2, sampling=SamplingParams(
-            max_new_tokens=400, ignore_eos=True, seed=100 + 1000 * g))
+            max_new_tokens=400, ignore_eos=True, seed=100 + 1000 * g, return_routes=return_routes))
 
     plan = StreamPlan(target_groups=6, first=6, max_inflight=6, max_groups=6, dynamic_sampling=False)
     producer = threading.Thread(target=lambda: box.update(out=stream_groups(engine, request, lambda g: None, plan,
@@ -150,13 +144,25 @@ def test_published_weights_stop_the_engine_at_its_next_decode_step(slower, kind,
         while pipe._live is None and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.15)  # some decode steps, not all
-        pipe.publish(1, WeightSnapshot(1, list(new.state_dict().items())))
+        pipe.publish(1, WeightSnapshot(1, newer))
         producer.join(120)
     finally:
         engine.shutdown()
         pipe.close()
-    out = box["out"]
-    assert out.stream.weight_updates == 1 and out.stream.interrupted_groups == 6 and pipe.version == 1
+    return box["out"], pipe.version
+
+
+@pytest.mark.parametrize("kind", ["in_process", "process"])
+def test_published_weights_stop_the_engine_at_its_next_decode_step(slower, kind, tmp_path):
+    """The producer waits in `next()` for six groups of 400 tokens each (all decoded in lockstep, so none
+    arrives before the others); the actor publishes step 1's weights: the pipeline aborts the stream there
+    and then, the engine takes the weights, every group resumes on them, and every sample spans both
+    versions, each token's logprob its recorded version's policy's."""
+    old, new = slower
+    old.save_pretrained(tmp_path)
+    engine = EmbeddedEngine(tmp_path) if kind == "in_process" else ProcessEngine(tmp_path, threads=1)
+    out, version = interrupted_mid_batch(engine, list(new.state_dict().items()))
+    assert out.stream.weight_updates == 1 and out.stream.interrupted_groups == 6 and version == 1
     assert check_versions([s for g in out.generated for s in g.samples], slower) == 12
 
 
@@ -173,31 +179,9 @@ def test_an_interrupted_groups_routes_are_each_versions(tmp_path):
     from safetensors.torch import load_file
 
     newer = list(load_file(str(tmp_path / "new" / "model.safetensors")).items())
-    engine = EmbeddedEngine(tmp_path)
-    pipe = RolloutPipeline(threads=1, depth=1, stream=True)
-    pipe.apply_weights = lambda snap: engine.update_weights(snap.tensors)
-    box: dict[str, Any] = {}
-
-    def request(g: int):
-        return Prompt(str(g), (), "1"), GroupRequest(key=g, prompt_ids=PROMPTS[g], n=2, sampling=SamplingParams(
-            max_new_tokens=400, ignore_eos=True, seed=100 + 1000 * g, return_routes=True))
-
-    plan = StreamPlan(target_groups=6, first=6, max_inflight=6, max_groups=6, dynamic_sampling=False)
-    producer = threading.Thread(target=lambda: box.update(out=stream_groups(engine, request, lambda g: None, plan,
-                                                                            weights=pipe)))
-    try:
-        producer.start()
-        deadline = time.monotonic() + 60
-        while pipe._live is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.15)  # some decode steps, not all
-        pipe.publish(1, WeightSnapshot(1, newer))
-        producer.join(120)
-    finally:
-        engine.shutdown()
-        pipe.close()
-    samples = [s for g in box["out"].generated for s in g.samples]
-    assert box["out"].stream.interrupted_groups > 0
+    out, _ = interrupted_mid_batch(EmbeddedEngine(tmp_path), newer, return_routes=True)
+    samples = [s for g in out.generated for s in g.samples]
+    assert out.stream.interrupted_groups > 0
     spanning = 0
     for s in samples:
         ids = s.prompt_ids + s.response_ids
