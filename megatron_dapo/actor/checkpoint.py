@@ -199,9 +199,9 @@ def save_checkpoint(actor: Any, root: str | Path, step: int, trainer_state: dict
                     keep_last: int = 3, hf_dir: str | Path | None = None) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint path.
 
-    `trainer_state` must be JSON-serialisable but for tensors (kept in a safetensors file beside it). With `hf_dir`, its config.json and auxiliary files
-    (tokenizer, chat template, generation config) are copied into `<ckpt>/hf/`, so the checkpoint
-    converts back to Hugging Face format without extra flags. Raises NonFiniteWeightsError (nothing
+    `trainer_state` must be JSON-serialisable but for tensors (kept in a safetensors file beside it). With
+    `hf_dir`, its config.json and auxiliary files (tokenizer, chat template, generation config) are copied into
+    `<ckpt>/hf/`, so the checkpoint converts back to Hugging Face format without extra flags. Raises NonFiniteWeightsError (nothing
     written) if any rank's weights hold inf or NaN."""
     from megatron.core import dist_checkpointing
 

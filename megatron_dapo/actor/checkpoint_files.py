@@ -188,7 +188,7 @@ def read_state(folder: Path) -> dict:
         return {}
     state = read_json(folder / STATE_FILE)
     tensors = folder / TENSORS_FILE
-    return join_tensors(state, load_file(str(tensors))) if tensors.is_file() else join_tensors(state, {})
+    return join_tensors(state, load_file(str(tensors)) if tensors.is_file() else {})
 
 
 def rng_state() -> dict:

@@ -163,6 +163,16 @@ def check_resume(r: GroupRequest) -> None:
                              f"(max_new_tokens {r.sampling.max_new_tokens})")
 
 
+def continued_routes(before: Sample, routes: torch.Tensor | None) -> torch.Tensor | None:
+    """The routes of a continued sample (partial rollout, stream mode): `routes` (every position its continuation
+    read: prompt + `before`'s response and on) with `before`'s up to its last token kept, since the weights that
+    generated a token routed the positions before it. `routes` as they are where `before` came without any."""
+    if routes is None or before.routes is None:
+        return routes
+    kept = len(before.prompt_ids) + before.response_len - 1
+    return torch.cat([before.routes[:kept], routes[kept:]])
+
+
 @dataclass
 class GroupResult:
     """A finished group: its n samples in sample order."""

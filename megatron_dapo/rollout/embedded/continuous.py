@@ -36,6 +36,7 @@ from megatron_dapo.rollout.base import (
     GroupResult,
     RolloutStream,
     SamplingParams,
+    continued_routes,
 )
 from megatron_dapo.rollout.embedded.routes import read_routes
 from megatron_dapo.rollout.embedded.sampling import counter_uniforms, sample_next
@@ -176,9 +177,8 @@ class EmbeddedStream(RolloutStream):
         group = self._groups[row.key]
         prompt, prior = group.request.prompt_ids, group.prior(row.index)
         routes = read_routes(routes, len(prompt) + len(row.tokens))
-        if routes is not None and row.start and prior is not None and prior.routes is not None:
-            kept = len(prompt) + row.start - 1
-            routes[:kept] = prior.routes[:kept]
+        if row.start and prior is not None:
+            routes = continued_routes(prior, routes)
         return Sample(prompt_ids=list(prompt), response_ids=list(row.tokens),
                       rollout_logprobs=list(row.logprobs), finish_reason=reason, routes=routes)
 

@@ -31,8 +31,6 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from megatron_dapo.rollout.base import (
     AbortReport,
     EngineStateError,
@@ -41,6 +39,7 @@ from megatron_dapo.rollout.base import (
     GroupResult,
     RolloutStream,
     SamplingParams,
+    continued_routes,
 )
 from megatron_dapo.rollout.sglang.server import SGLangServer
 from megatron_dapo.rollout.sglang.wire import (
@@ -217,15 +216,10 @@ def _settled(sample: Sample, sampling: SamplingParams) -> Sample:
 
 
 def _joined(before: Sample, after: Sample) -> Sample:
-    """A continued sample: `after` read prompt + `before`'s response. Its routes keep `before`'s up to its last
-    token (the weights that generated a token routed the positions before it), where the server sent them."""
-    routes = after.routes
-    if routes is not None and before.routes is not None:
-        kept = len(before.prompt_ids) + before.response_len - 1
-        routes = torch.cat([before.routes[:kept], routes[kept:]])
+    """A continued sample: `after` read prompt + `before`'s response (its routes: continued_routes)."""
     return Sample(prompt_ids=list(before.prompt_ids), response_ids=before.response_ids + after.response_ids,
                   rollout_logprobs=before.rollout_logprobs + after.rollout_logprobs,
-                  finish_reason=after.finish_reason, routes=routes)
+                  finish_reason=after.finish_reason, routes=continued_routes(before, after.routes))
 
 
 def _new_tokens(r: GroupRequest, item: Any) -> int:
